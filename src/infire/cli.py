@@ -1,0 +1,193 @@
+"""The `infire` command line: generate and chat today; serve, compress, bench as they land."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from collections.abc import Iterator
+
+from infire.config import CacheConfig, EngineConfig, SchedulerConfig
+from infire.engine.engine import LLMEngine
+from infire.errors import InfireError
+from infire.sampling_params import SamplingParams
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"k": 1024, "m": 1024**2, "g": 1024**3}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '536870912', '512MiB', '2G', '1.5GB' (binary units)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r} (use e.g. 512MiB or 2GiB)")
+    number, unit = match.groups()
+    return int(float(number) * (_UNITS[unit[0].lower()] if unit else 1))
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument(
+        "--model", help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
+    group.add_argument(
+        "--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: auto)"
+    )
+    group.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    group.add_argument("--kv-cache-memory", type=parse_size, default=parse_size("512MiB"),
+                       help="memory for the paged KV cache (default: 512MiB)")  # fmt: skip
+    group.add_argument(
+        "--block-size", type=int, default=16, help="tokens per KV block (default: 16)"
+    )
+    group.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                       help="token budget of one engine step (default: 2048)")  # fmt: skip
+    group.add_argument("--max-num-seqs", type=int, default=64,
+                       help="most sequences running at once (default: 64)")  # fmt: skip
+    group.add_argument(
+        "--max-model-len", type=int, help="context length cap (default: the model's)"
+    )
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=max_tokens, help=f"default: {max_tokens}")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--seed", type=int, help="sampling seed (same seed, same output)")
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len
+        ),
+    )
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=args.stop,
+    )
+
+
+def _load(args: argparse.Namespace) -> LLMEngine:
+    start = time.perf_counter()
+    print(f"infire: loading {args.model or 'the default model (SmolLM2-135M-Instruct)'}",
+          file=sys.stderr)  # fmt: skip
+    engine = LLMEngine(_engine_config(args))
+    print(
+        f"infire: ready in {time.perf_counter() - start:.1f}s "
+        f"({engine.dtype}, {engine.runner.num_blocks} KV blocks)",
+        file=sys.stderr,
+    )
+    return engine
+
+
+def _stream(engine: LLMEngine, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:
+    """Text deltas of one request as the engine produces them."""
+    engine.add_request("cli", prompt, params)
+    shown = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            text = output.outputs[0].text
+            yield text[shown:]
+            shown = len(text)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Complete one prompt, streaming the text to stdout."""
+    engine = _load(args)
+    params = _sampling_params(args)
+    prompt: str | list[int] = args.prompt
+    if args.chat:
+        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    sys.stdout.write("" if args.chat else args.prompt)
+    for delta in _stream(engine, prompt, params):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Interactive chat with the model's chat template; the answer streams as it comes."""
+    engine = _load(args)
+    params = _sampling_params(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("infire chat: type a message, /reset to start over, Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() == "/reset":
+            del messages[int(bool(args.system)) :]
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = ""
+        for delta in _stream(engine, engine.tokenizer.encode_chat(messages), params):
+            reply += delta
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": reply})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the `infire` command."""
+    parser = argparse.ArgumentParser(prog="infire", description="LLM inference engine")
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser("generate", help="complete a prompt and print the result")
+    generate.add_argument("prompt", help="the prompt text")
+    generate.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the chat template"
+    )
+    _add_engine_args(generate)
+    _add_sampling_args(generate, max_tokens=64)
+    generate.set_defaults(func=cmd_generate)
+    chat = commands.add_parser("chat", help="interactive chat on the terminal")
+    chat.add_argument("--system", help="system prompt")
+    _add_engine_args(chat)
+    _add_sampling_args(chat, max_tokens=512)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `infire` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except InfireError as e:
+        print(f"infire: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

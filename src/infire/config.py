@@ -1,0 +1,141 @@
+"""Configuration dataclasses: what a model is (ModelConfig) and how the engine runs it.
+
+ModelConfig is filled by the loader from config.json or GGUF metadata; the engine
+configs come from the CLI / Python API and are checked once in __post_init__.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Llama 3 style RoPE frequency scaling (rope_type "llama3"); None means plain RoPE."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Hyper-parameters of a decoder-only Llama-family model."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.architecture!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """Paged KV cache: block size and the memory budget that sizes the block pool."""
+
+    block_size: int = 16
+    kv_cache_memory: int = 512 * 1024**2
+    num_blocks: int | None = None  # overrides kv_cache_memory when set (tests, tuning)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError("num_blocks must be positive")
+        if self.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory must be positive")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Continuous batching limits per engine step."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_batched_tokens must be positive")
+        if self.max_num_seqs <= 0:
+            raise ValueError("max_num_seqs must be positive")
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    """Tensor / pipeline parallel sizes; 1 and 1 until the parallel subsystem lands."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything an LLMEngine needs besides the model itself."""
+
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
+    dtype: str = "auto"
+    device: str = "cpu"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """Map a dtype name ('auto', 'float32', 'bfloat16', ...) to the serving torch dtype."""
+    if name == "auto":
+        if device.startswith("cuda"):
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16"
+        ) from None
+
+
+def _cpu_has_fast_bf16() -> bool:
+    """True where the CPU does bf16 matmuls natively (AMX or AVX512-BF16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags

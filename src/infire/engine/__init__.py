@@ -1,0 +1,1 @@
+"""The inference engine: requests, KV block pool, scheduler, model runner and the step loop."""

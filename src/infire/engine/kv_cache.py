@@ -1,0 +1,124 @@
+"""The KV block pool's bookkeeping: free blocks, reference counts and the prefix cache.
+
+The pool itself is a tensor owned by the model runner; this module only decides which
+block ids a sequence uses. A full block whose KV has been computed is keyed by a chained
+hash of its token ids (hash of the previous block's key and its own tokens), so any
+request whose prompt starts with the same tokens reuses it. Blocks nobody references
+stay cached until evicted, least recently freed first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from infire.engine.request import Sequence
+
+
+def block_hash(parent: int | None, tokens: list[int]) -> int:
+    """Key of a full block: depends on every token of the prefix, not just this block's."""
+    return hash((parent, tuple(tokens)))
+
+
+class BlockManager:
+    """Allocates fixed-size KV blocks to sequences, with prefix caching."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.hash_of_block: dict[int, int] = {}
+        self.block_of_hash: dict[int, int] = {}
+        # Unreferenced blocks in eviction order; cached ones keep their hash until reused.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that an allocation may take (free or evictable)."""
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool referenced by live sequences (vLLM's kv_cache_usage)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def acquire_cached_prefix(self, seq: Sequence) -> int:
+        """Give a new sequence the cached blocks of its prompt's longest cached prefix.
+
+        Returns the number of tokens covered. At least one prompt token is always left
+        to compute, since its logits are needed to sample.
+        """
+        if not self.enable_prefix_caching:
+            return 0
+        parent = None
+        max_blocks = (len(seq.token_ids) - 1) // self.block_size
+        for i in range(max_blocks):
+            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+            key = block_hash(parent, tokens)
+            block = self.block_of_hash.get(key)
+            if block is None:
+                break
+            self._reference(block)
+            seq.block_table.append(block)
+            seq.block_hashes.append(key)
+            parent = key
+        return len(seq.block_table) * self.block_size
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow seq's block table to hold `num_tokens`; False (and no change) if the pool is short."""
+        needed = self.blocks_needed(num_tokens) - len(seq.block_table)
+        if needed > self.num_free_blocks:
+            return False
+        for _ in range(needed):
+            seq.block_table.append(self._take_free_block())
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block of seq; cached blocks stay reusable until evicted."""
+        # Tail blocks first, so that they are evicted before the shared prefix.
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+                if block not in self.hash_of_block:
+                    self.free_blocks.move_to_end(block, last=False)
+        seq.block_table.clear()
+        seq.block_hashes.clear()
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the hashes of seq's blocks that became full and computed this step."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        for i in range(len(seq.block_hashes), num_full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            key = block_hash(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            seq.block_hashes.append(key)
+            block = seq.block_table[i]
+            if key not in self.block_of_hash:
+                self.block_of_hash[key] = block
+                self.hash_of_block[block] = key
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (e.g. after weights change)."""
+        self.block_of_hash.clear()
+        self.hash_of_block.clear()
+
+    def _reference(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free_blocks[block]
+        self.ref_counts[block] += 1
+
+    def _take_free_block(self) -> int:
+        block, _ = self.free_blocks.popitem(last=False)
+        key = self.hash_of_block.pop(block, None)
+        if key is not None:
+            del self.block_of_hash[key]
+        self.ref_counts[block] = 1
+        return block

@@ -1,0 +1,210 @@
+"""ModelRunner: turns a scheduled batch into tensors, runs one forward, samples.
+
+It owns the model and the KV block pool tensor ([layers, 2, blocks, block_size, kv_heads,
+head_dim], allocated once from the memory budget). Each step it flattens the batch
+(token ids, positions, slot mapping, block tables), builds the attention layout once for
+all layers, computes logits only for sequences whose prompt is complete, and samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from infire.config import CacheConfig, ModelConfig
+from infire.engine.request import Sequence
+from infire.engine.scheduler import ScheduledSequence
+from infire.errors import ModelLoadError
+from infire.layers.attention import AttentionMetadata, DecodeGroup, PrefillGroup
+from infire.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
+from infire.models.llama import LlamaForCausalLM
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """Sequences that got a new token this step, in order, and what was sampled."""
+
+    sampled_seqs: list[Sequence]
+    output: SamplerOutput | None
+
+
+class ModelRunner:
+    """Runs the model over flattened batches against the paged KV cache."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        cache_config: CacheConfig,
+        dtype: torch.dtype,
+        device: str = "cpu",
+        seed: int = 0,
+    ) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.block_size = cache_config.block_size
+        with torch.device(self.device):
+            self.model = LlamaForCausalLM(config).to(dtype)
+        self.model.load_weights(weights)
+        self.model.eval()
+        self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(cache_config)
+        self.kv_cache = torch.zeros(
+            config.num_hidden_layers, 2, self.num_blocks, self.block_size,
+            config.num_key_value_heads, config.head_dim, dtype=dtype, device=self.device,
+        )  # fmt: skip
+        self.sampler = Sampler(torch.Generator(self.device).manual_seed(seed))
+
+    def _blocks_for_budget(self, cache_config: CacheConfig) -> int:
+        per_block = (
+            2 * self.config.num_hidden_layers * self.block_size
+            * self.config.num_key_value_heads * self.config.head_dim * self.dtype.itemsize
+        )  # fmt: skip
+        num_blocks = cache_config.kv_cache_memory // per_block
+        if num_blocks < 1:
+            raise ModelLoadError(
+                f"--kv-cache-memory {cache_config.kv_cache_memory} bytes is less than one "
+                f"KV block ({per_block} bytes)"
+            )
+        return num_blocks
+
+    @torch.inference_mode()
+    def execute(self, batch: list[ScheduledSequence]) -> StepResult:
+        """One forward over the batch; samples for sequences whose known tokens are all computed."""
+        input_ids, positions, meta = self._prepare_inputs(batch)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        rows, sampled_seqs = [], []
+        end = 0
+        for item in batch:
+            end += item.num_new_tokens
+            if item.seq.num_computed_tokens + item.num_new_tokens == len(item.seq.token_ids):
+                rows.append(end - 1)
+                sampled_seqs.append(item.seq)
+        if not rows:
+            return StepResult([], None)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        output = self.sampler(logits, self._sampling_metadata(sampled_seqs))
+        return StepResult(sampled_seqs, output)
+
+    def _prepare_inputs(
+        self, batch: list[ScheduledSequence]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        bs = self.block_size
+        for item in batch:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_new_tokens
+            tokens += seq.token_ids[start:end]
+            positions += range(start, end)
+            table = seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        meta = AttentionMetadata(slot_mapping=as_tensor(slots))
+        self._group_attention(batch, meta)
+        return as_tensor(tokens), as_tensor(positions), meta
+
+    def _group_attention(self, batch: list[ScheduledSequence], meta: AttentionMetadata) -> None:
+        decode, prefill = [], []
+        offset = 0
+        for item in batch:
+            row = (item, offset)
+            offset += item.num_new_tokens
+            if item.num_new_tokens == 1:
+                decode.append(row)
+            elif item.seq.num_computed_tokens == 0 and meta.fresh is None:
+                meta.fresh = slice(row[1], row[1] + item.num_new_tokens)
+            else:
+                prefill.append(row)
+        if decode:
+            meta.decode = self._decode_group(decode)
+        if prefill:
+            meta.prefill = self._prefill_group(prefill)
+
+    def _block_tables(self, rows: list[tuple[ScheduledSequence, int]]) -> torch.Tensor:
+        width = max(len(item.seq.block_table) for item, _ in rows)
+        tables = [
+            item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item, _ in rows
+        ]
+        return torch.tensor(tables, dtype=torch.long, device=self.device)
+
+    def _decode_group(self, rows: list[tuple[ScheduledSequence, int]]) -> DecodeGroup:
+        tables = self._block_tables(rows)
+        context = torch.tensor(
+            [item.seq.num_computed_tokens + 1 for item, _ in rows], device=self.device
+        )
+        key_pos = torch.arange(tables.shape[1] * self.block_size, device=self.device)
+        mask = (key_pos.unsqueeze(0) < context.unsqueeze(1)).view(len(rows), 1, 1, -1)
+        index = torch.tensor([offset for _, offset in rows], device=self.device)
+        return DecodeGroup(token_index=index, block_tables=tables, mask=mask)
+
+    def _prefill_group(self, rows: list[tuple[ScheduledSequence, int]]) -> PrefillGroup:
+        tables = self._block_tables(rows)
+        max_q = max(item.num_new_tokens for item, _ in rows)
+        gather, valid, token_index, query_pos = [], [], [], []
+        for b, (item, offset) in enumerate(rows):
+            n, start = item.num_new_tokens, item.seq.num_computed_tokens
+            gather += list(range(offset, offset + n)) + [offset] * (max_q - n)
+            valid += range(b * max_q, b * max_q + n)
+            token_index += range(offset, offset + n)
+            # Padding queries sit at the last real position, so every row attends somewhere.
+            query_pos.append(list(range(start, start + n)) + [start + n - 1] * (max_q - n))
+        key_pos = torch.arange(tables.shape[1] * self.block_size, device=self.device)
+        q_pos = torch.tensor(query_pos, device=self.device)
+        mask = (key_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)).unsqueeze(1)
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        return PrefillGroup(
+            gather_index=as_tensor(gather),
+            valid_index=as_tensor(valid),
+            token_index=as_tensor(token_index),
+            block_tables=tables,
+            mask=mask,
+            max_q=max_q,
+        )
+
+    def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
+        params = [seq.params for seq in seqs]
+        dev = self.device
+        floats = lambda xs: torch.tensor(xs, dtype=torch.float32, device=dev)  # noqa: E731
+        meta = SamplingMetadata(
+            temperature=floats([p.temperature for p in params]),
+            top_k=None,
+            top_p=None,
+            min_p=None,
+            generators=[seq.generator for seq in seqs],
+            all_greedy=all(p.greedy for p in params),
+        )
+        if any(p.top_k > 0 for p in params):
+            meta.top_k = torch.tensor([p.top_k for p in params], device=dev)
+        if any(p.top_p < 1.0 for p in params):
+            meta.top_p = floats([p.top_p for p in params])
+        if any(p.min_p > 0.0 for p in params):
+            meta.min_p = floats([p.min_p for p in params])
+        if any(p.uses_penalties for p in params):
+            self._penalty_metadata(meta, seqs)
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        meta.max_num_logprobs = max(wanted) if wanted else None
+        return meta
+
+    def _penalty_metadata(self, meta: SamplingMetadata, seqs: list[Sequence]) -> None:
+        vocab, dev = self.config.vocab_size, self.device
+        column = lambda xs: torch.tensor(xs, dtype=torch.float32, device=dev).unsqueeze(1)  # noqa: E731
+        meta.repetition_penalty = column([s.params.repetition_penalty for s in seqs])
+        meta.frequency_penalty = column([s.params.frequency_penalty for s in seqs])
+        meta.presence_penalty = column([s.params.presence_penalty for s in seqs])
+        # One spare column absorbs padding ids; token ids past the vocab cannot occur.
+        meta.seen_mask = torch.zeros(len(seqs), vocab + 1, dtype=torch.bool, device=dev)
+        meta.output_counts = torch.zeros(len(seqs), vocab + 1, device=dev)
+        seen = _padded([s.token_ids for s in seqs], vocab, dev)
+        outputs = _padded([s.output_token_ids for s in seqs], vocab, dev)
+        meta.seen_mask.scatter_(1, seen, True)
+        meta.output_counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=torch.float32))
+        meta.seen_mask = meta.seen_mask[:, :vocab]
+        meta.output_counts = meta.output_counts[:, :vocab]
+
+
+def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=device)

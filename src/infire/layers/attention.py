@@ -1,0 +1,120 @@
+"""Paged attention over a flattened varlen batch, in plain PyTorch (CPU and CUDA alike).
+
+Every step's tokens arrive as one flat [T, heads, head_dim] tensor. New keys/values are
+written into the block pool at `slot_mapping`; queries then attend to their sequence's
+whole context, read back from the pool through its block table. Sequences are grouped so
+each layer runs at most three batched SDPA calls, never a Python loop over sequences:
+- fresh: one sequence's first prefill chunk with no cached context (plain causal SDPA on
+  the new keys, no pool read);
+- decode: every sequence with one new token, batched with a key-padding mask;
+- prefill: other prefill chunks (chunked or prefix-cached), padded to the longest chunk.
+Grouped-query attention goes through SDPA's enable_gqa, so keys/values are never repeated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """Sequences decoding one token each."""
+
+    token_index: torch.Tensor  # [B] rows of the flat batch
+    block_tables: torch.Tensor  # [B, max_blocks]
+    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size], True = attend
+
+
+@dataclass(slots=True)
+class PrefillGroup:
+    """Prefill chunks that attend to context already in the pool, padded to max_q."""
+
+    gather_index: torch.Tensor  # [B * max_q] rows of the flat batch (padding -> row 0)
+    valid_index: torch.Tensor  # [n] positions in the padded layout that are real tokens
+    token_index: torch.Tensor  # [n] rows of the flat batch, in the same order
+    block_tables: torch.Tensor  # [B, max_blocks]
+    mask: torch.Tensor  # [B, 1, max_q, max_blocks * block_size]
+    max_q: int
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step layout of the flat batch, built once by the runner and shared by all layers."""
+
+    slot_mapping: torch.Tensor  # [T] pool slot of each new token
+    fresh: slice | None = None  # rows of a single no-context prefill, if any
+    decode: DecodeGroup | None = None
+    prefill: PrefillGroup | None = None
+
+
+class PagedAttention:
+    """Attention of one layer against its slice of the KV block pool."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D], kv_cache [2, blocks, block_size, KVH, D] -> [T, H*D]."""
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        if meta.fresh is not None:
+            out[meta.fresh] = self._fresh(q[meta.fresh], k[meta.fresh], v[meta.fresh])
+        if meta.decode is not None:
+            out[meta.decode.token_index] = self._decode(q, k_cache, v_cache, meta.decode)
+        if meta.prefill is not None:
+            out[meta.prefill.token_index] = self._prefill(q, k_cache, v_cache, meta.prefill)
+        return out.view(q.shape[0], -1)
+
+    def _fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(
+            qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=True
+        )
+        return o[0].transpose(0, 1)
+
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup
+    ) -> torch.Tensor:
+        qh = q[group.token_index].unsqueeze(2)  # [B, H, 1, D]
+        keys = _gather(k_cache, group.block_tables)
+        values = _gather(v_cache, group.block_tables)
+        o = F.scaled_dot_product_attention(
+            qh, keys, values, attn_mask=group.mask, scale=self.scale, enable_gqa=True
+        )
+        return o.squeeze(2)
+
+    def _prefill(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: PrefillGroup
+    ) -> torch.Tensor:
+        b, max_q = group.block_tables.shape[0], group.max_q
+        qh = q[group.gather_index].view(b, max_q, self.num_heads, self.head_dim).transpose(1, 2)
+        keys = _gather(k_cache, group.block_tables)
+        values = _gather(v_cache, group.block_tables)
+        o = F.scaled_dot_product_attention(
+            qh, keys, values, attn_mask=group.mask, scale=self.scale, enable_gqa=True
+        )
+        return o.transpose(1, 2).reshape(b * max_q, self.num_heads, self.head_dim)[
+            group.valid_index
+        ]
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[blocks, bs, KVH, D] pool + [B, nb] tables -> [B, KVH, nb*bs, D] contiguous context."""
+    b, nb = block_tables.shape
+    blocks = cache[block_tables]  # [B, nb, bs, KVH, D]
+    return blocks.view(b, nb * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)

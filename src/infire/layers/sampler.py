@@ -1,0 +1,130 @@
+"""Batched sampling: penalties, temperature, top-k / top-p / min-p, seeds and logprobs.
+
+One call samples a token for every row of a [N, vocab] logits matrix, with each row's own
+parameters. Sampling uses the exponential-race form (argmax of p / E, E ~ Exp(1)), which
+draws exactly `vocab` numbers per row from that row's generator: a seeded request gets
+the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per-row sampling parameters of one step, as tensors on the logits' device."""
+
+    temperature: torch.Tensor  # [N]; 0 = greedy
+    top_k: torch.Tensor | None  # [N] long, 0 = off; None when no row uses it
+    top_p: torch.Tensor | None  # [N]; None when no row uses it
+    min_p: torch.Tensor | None  # [N]; None when no row uses it
+    generators: list[torch.Generator | None]  # per row; None = the engine's generator
+    all_greedy: bool
+    repetition_penalty: torch.Tensor | None = None  # [N, 1]; None when no row uses penalties
+    frequency_penalty: torch.Tensor | None = None  # [N, 1]
+    presence_penalty: torch.Tensor | None = None  # [N, 1]
+    seen_mask: torch.Tensor | None = None  # [N, V] bool: in prompt or output (repetition)
+    output_counts: torch.Tensor | None = None  # [N, V] float: counts in output (freq/presence)
+    max_num_logprobs: int | None = None  # largest top-k asked for; None = no row wants logprobs
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """Sampled tokens, plus logprobs when any row asked for them."""
+
+    token_ids: list[int]
+    sampled_logprobs: list[float] | None = None
+    sampled_ranks: list[int] | None = None
+    top_token_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+class Sampler:
+    """Samples one token per row of a logits matrix."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        raw_logprobs = (
+            torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
+        )
+        logits = _apply_penalties(logits, meta)
+        greedy = logits.argmax(dim=-1)
+        tokens = greedy if meta.all_greedy else self._sample(logits, meta, greedy)
+        out = SamplerOutput(token_ids=tokens.tolist())
+        if raw_logprobs is not None:
+            _fill_logprobs(out, raw_logprobs, tokens, meta.max_num_logprobs)
+        return out
+
+    def _sample(
+        self, logits: torch.Tensor, meta: SamplingMetadata, greedy: torch.Tensor
+    ) -> torch.Tensor:
+        is_greedy = meta.temperature == 0
+        temperature = torch.where(is_greedy, 1.0, meta.temperature).unsqueeze(1)
+        logits = _apply_top_k_top_p(logits / temperature, meta.top_k, meta.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        if meta.min_p is not None:
+            threshold = meta.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        noise = self._exponential_noise(probs, meta.generators)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(is_greedy, greedy, sampled)
+
+    def _exponential_noise(
+        self, probs: torch.Tensor, generators: list[torch.Generator | None]
+    ) -> torch.Tensor:
+        noise = torch.empty_like(probs)
+        seeded = [i for i, g in enumerate(generators) if g is not None]
+        if len(seeded) < len(generators):
+            noise.exponential_(generator=self.generator)
+        for i in seeded:
+            noise[i].exponential_(generator=generators[i])
+        return noise
+
+
+def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    if meta.repetition_penalty is None:
+        return logits
+    # Repetition penalty (CTRL / HF): shrink the logit of every token already seen.
+    penalty = torch.where(meta.seen_mask, meta.repetition_penalty, 1.0)
+    logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    # Frequency / presence penalties (OpenAI): subtract per occurrence in the output.
+    counts = meta.output_counts
+    return logits - meta.frequency_penalty * counts - meta.presence_penalty * (counts > 0)
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, logits.shape[-1]).unsqueeze(1)
+        ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+    if top_p is not None:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens before it already reach top_p; the first always stays.
+        mass_before = probs.cumsum(dim=-1) - probs
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _fill_logprobs(
+    out: SamplerOutput, logprobs: torch.Tensor, tokens: torch.Tensor, k: int
+) -> None:
+    sampled = logprobs.gather(1, tokens.unsqueeze(1))
+    out.sampled_logprobs = sampled.squeeze(1).tolist()
+    out.sampled_ranks = ((logprobs > sampled).sum(dim=1) + 1).tolist()
+    if k > 0:
+        top = logprobs.topk(k, dim=-1)
+        out.top_token_ids = top.indices.tolist()
+        out.top_logprobs = top.values.tolist()
+    else:
+        out.top_token_ids = [[] for _ in range(logprobs.shape[0])]
+        out.top_logprobs = [[] for _ in range(logprobs.shape[0])]
