@@ -96,3 +96,22 @@ def smollm2_path() -> Path:
     from infire.models.loader import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_path: Path):
+    """transformers' own float32 model loaded from the same GGUF (the parity reference)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm():
+    """The default model served by infire in float32 (shared: loading takes seconds)."""
+    from infire import LLM
+
+    return LLM(dtype="float32", num_blocks=256)

@@ -1,0 +1,556 @@
+"""GGUF reader: one llama.cpp model file -> (ModelConfig, weights by Hugging Face name, Tokenizer).
+
+A GGUF file carries everything a model folder would: hyper-parameters and the tokenizer as
+metadata, weights as (often quantized) tensors under llama.cpp's names. This module reads
+it with the `gguf` package (no unpickling), dequantizes every tensor to `dtype`, renames it
+to the Hugging Face name our model code loads, and undoes the one layout change llama.cpp's
+converter makes (the q/k row permutation for its pairwise RoPE), so that the weights equal
+what transformers produces from the same file. The tokenizer is rebuilt from the vocabulary
+and merges in the metadata, with the pre-tokenizer of the model it came from.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tokenizers
+import torch
+from gguf import GGUFReader, GGUFValueType
+from gguf.gguf_reader import ReaderField, ReaderTensor
+from gguf.quants import dequantize
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tqdm import tqdm
+
+from infire.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from infire.errors import ModelLoadError, UnsupportedModelError
+from infire.tokenizer import Tokenizer
+
+# llama.cpp writes Mistral (and Llama 2/3, SmolLM, ...) with the Llama converter, which
+# permutes q/k rows; Qwen2's converter leaves them as they are.
+_PERMUTED_QK_ARCHITECTURES = ("llama", "mistral")
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_ROPE_FREQS = "rope_freqs.weight"  # Llama 3 RoPE scaling, folded into ModelConfig.rope_scaling
+
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
+_TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 2, 3, 4
+
+# Pre-tokenizer regexes of the original tokenizer.json files, keyed by tokenizer.ggml.pre.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLIT_BY_PRE = {
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+_NFC_PRE = ("qwen2", "deepseek-r1-qwen")  # Qwen2's tokenizer.json normalizes to NFC first
+
+
+def load_gguf(
+    path: Path, dtype: torch.dtype
+) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """Read a llama / qwen2 / mistral GGUF file into its config, HF-named weights and tokenizer."""
+    path = Path(path)
+    reader, metadata = _open(path)
+    file_arch = metadata.get("general.architecture")
+    if not isinstance(file_arch, str):
+        raise ModelLoadError(f"{path}: GGUF metadata has no general.architecture")
+    if file_arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{path}: GGUF architecture {file_arch!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    config = _model_config(metadata, tensors, file_arch, path)
+    weights = _load_weights(tensors, config, file_arch, dtype, path)
+    tokenizer = _load_tokenizer(metadata, config.eos_token_ids, path)
+    return config, weights, tokenizer
+
+
+def _open(path: Path) -> tuple[GGUFReader, dict[str, Any]]:
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: no such GGUF file")
+    try:
+        reader = _PlainArrayReader(path, "r")
+        return reader, {name: _field_value(field) for name, field in reader.fields.items()}
+    except Exception as e:  # gguf raises ValueError, IndexError, struct errors ... on bad bytes
+        raise ModelLoadError(
+            f"{path}: not a readable GGUF file (truncated or corrupt?): {e}"
+        ) from None
+
+
+class _PlainArrayReader(GGUFReader):
+    """GGUFReader over a plain ndarray view of its memory map: the same bytes, still mapped.
+
+    GGUFReader slices its `data` a few hundred thousand times to parse a vocabulary, and each
+    slice of an np.memmap pays for the subclass's bookkeeping: 13 s instead of 3 s for
+    SmolLM2's 49k tokens and merges.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain_data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain_data = value.view(np.ndarray)
+
+
+def _field_value(field: ReaderField) -> Any:
+    """A metadata value as plain Python (str, int, float, bool, or a list of them)."""
+    kind = field.types[0] if field.types else None
+    if kind == GGUFValueType.ARRAY:
+        item = field.types[-1]
+        if item == GGUFValueType.STRING:
+            return [_text(field.parts[index]) for index in field.data]
+        if item == GGUFValueType.ARRAY or not field.data:
+            return []  # nested arrays: no key we read uses them
+        return np.concatenate([field.parts[index] for index in field.data]).tolist()
+    if kind == GGUFValueType.STRING:
+        return _text(field.parts[field.data[0]])
+    return field.parts[field.data[0]][0].item()
+
+
+def _text(raw: np.ndarray) -> str:
+    # Some vocabularies hold byte tokens that are not valid UTF-8 on their own.
+    return bytes(raw).decode("utf-8", errors="replace")
+
+
+# --- config ------------------------------------------------------------------------------
+
+
+def _model_config(
+    metadata: dict[str, Any], tensors: dict[str, ReaderTensor], file_arch: str, path: Path
+) -> ModelConfig:
+    def required(key: str) -> Any:
+        value = metadata.get(f"{file_arch}.{key}")
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata has no {file_arch}.{key}")
+        return value
+
+    hidden_size = _scalar(required("embedding_length"), "embedding_length", path)
+    num_heads = _scalar(required("attention.head_count"), "attention.head_count", path)
+    num_kv_heads = _scalar(
+        metadata.get(f"{file_arch}.attention.head_count_kv", num_heads), "head_count_kv", path
+    )
+    head_dim = metadata.get(f"{file_arch}.attention.key_length") or hidden_size // num_heads
+    rotary_dim = metadata.get(f"{file_arch}.rope.dimension_count", head_dim)
+    if rotary_dim != head_dim:
+        raise UnsupportedModelError(
+            f"{path}: partial RoPE (rope.dimension_count {rotary_dim}, head_dim {head_dim}) "
+            "is not supported"
+        )
+    rope_theta = float(metadata.get(f"{file_arch}.rope.freq_base", 10000.0))
+    if "token_embd.weight" not in tensors:
+        raise ModelLoadError(f"{path}: GGUF file has no token_embd.weight tensor")
+    eos_ids = [
+        metadata.get(f"tokenizer.ggml.{key}")
+        for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+    ]
+    try:
+        return ModelConfig(
+            architecture=_served_architecture(file_arch, metadata),
+            # The embedding's row count is what the logits are sized by; it equals the token
+            # count of tokenizer.ggml.tokens except in vocabularies padded for alignment.
+            vocab_size=int(tensors["token_embd.weight"].shape[-1]),
+            hidden_size=hidden_size,
+            intermediate_size=_scalar(required("feed_forward_length"), "feed_forward_length", path),
+            num_hidden_layers=required("block_count"),
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=required("context_length"),
+            rms_norm_eps=float(metadata.get(f"{file_arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=rope_theta,
+            rope_scaling=_rope_scaling(metadata, tensors, file_arch, head_dim, rope_theta, path),
+            tie_word_embeddings="output.weight" not in tensors,
+            attention_bias="blk.0.attn_q.bias" in tensors,
+            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if i is not None)),
+        )
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: inconsistent GGUF metadata: {e}") from None
+
+
+def _served_architecture(file_arch: str, metadata: dict[str, Any]) -> str:
+    # llama.cpp writes Mistral models as "llama"; like transformers, tell them apart by name.
+    name = str(metadata.get("general.name", "")).lower()
+    return "mistral" if file_arch == "llama" and "mistral" in name else file_arch
+
+
+def _scalar(value: Any, key: str, path: Path) -> int:
+    # Some converters write per-layer arrays; ours serve only uniform layers.
+    if isinstance(value, list):
+        if not value or len(set(value)) != 1:
+            raise UnsupportedModelError(f"{path}: per-layer {key} {value[:8]}... is not supported")
+        value = value[0]
+    return int(value)
+
+
+def _rope_scaling(
+    metadata: dict[str, Any],
+    tensors: dict[str, ReaderTensor],
+    file_arch: str,
+    head_dim: int,
+    rope_theta: float,
+    path: Path,
+) -> RopeScaling | None:
+    if _ROPE_FREQS in tensors:
+        factors = _dequantize(tensors[_ROPE_FREQS], path).astype(np.float64).reshape(-1)
+        original = metadata.get(f"{file_arch}.rope.scaling.original_context_length")
+        return _llama3_scaling_from_factors(factors, head_dim, rope_theta, original, path)
+    kind = metadata.get(f"{file_arch}.rope.scaling.type")
+    factor = metadata.get(f"{file_arch}.rope.scaling.factor", 1.0)
+    if kind in (None, "none") or factor == 1.0:
+        return None
+    raise UnsupportedModelError(
+        f"{path}: RoPE scaling {kind!r} is not supported (supported: llama3-style rope_freqs)"
+    )
+
+
+def _llama3_scaling_from_factors(
+    factors: np.ndarray, head_dim: int, rope_theta: float, original: int | None, path: Path
+) -> RopeScaling | None:
+    """The RopeScaling whose per-frequency divisors are `factors` (llama.cpp's rope_freqs).
+
+    llama.cpp stores only the divisors, not the four parameters. They depend on the
+    parameters only through factor, original/low and original/high, so low_freq_factor = 1
+    (as in every Llama 3.x) loses nothing: the two other ratios are fitted on the smoothly
+    interpolated frequencies, and the result is checked to reproduce the divisors.
+    """
+    inv_freq = rope_theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if factors.shape != inv_freq.shape:
+        raise ModelLoadError(
+            f"{path}: rope_freqs has {factors.size} values, expected {inv_freq.size}"
+        )
+    factor = float(factors.max())
+    if np.allclose(factors, 1.0):
+        return None
+    wavelen = 2 * math.pi / inv_freq
+    medium = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+    # smooth = original / wavelen / (high - low) - low / (high - low), linear in 1 / wavelen
+    smooth = (1 / factors[medium] - 1 / factor) / (1 - 1 / factor)
+    scaling = RopeScaling(factor, 1.0, 4.0, int(original or 8192))  # Llama 3 defaults
+    if medium.sum() >= 2:
+        slope, intercept = np.polyfit(1 / wavelen[medium], smooth, 1)
+        if intercept < 0:
+            scaling = RopeScaling(
+                factor=factor,
+                low_freq_factor=1.0,
+                high_freq_factor=round(1 - 1 / intercept, 4),
+                original_max_position_embeddings=round(slope / -intercept),
+            )
+    if not np.allclose(_llama3_factors(scaling, wavelen), factors, rtol=1e-4):
+        raise UnsupportedModelError(f"{path}: rope_freqs does not follow Llama 3 RoPE scaling")
+    return scaling
+
+
+def _llama3_factors(scaling: RopeScaling, wavelen: np.ndarray) -> np.ndarray:
+    """llama.cpp's rope_freqs for `scaling` (its converter's formula)."""
+    original = scaling.original_max_position_embeddings
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    smooth = (original / wavelen - low) / (high - low)
+    medium = 1 / ((1 - smooth) / scaling.factor + smooth)
+    return np.where(
+        wavelen < original / high, 1.0, np.where(wavelen > original / low, scaling.factor, medium)
+    )
+
+
+# --- weights -----------------------------------------------------------------------------
+
+
+def _load_weights(
+    tensors: dict[str, ReaderTensor],
+    config: ModelConfig,
+    file_arch: str,
+    dtype: torch.dtype,
+    path: Path,
+) -> dict[str, torch.Tensor]:
+    names = {name: _hf_name(name, config.num_hidden_layers, path) for name in tensors}
+    _check_complete(set(names.values()), config, path)
+    weights: dict[str, torch.Tensor] = {}
+    progress = tqdm(
+        [tensors[name] for name in names if names[name] is not None],
+        desc=f"Loading {path.name}",
+        unit="tensor",
+        file=sys.stderr,
+        disable=not sys.stderr.isatty(),
+        leave=False,
+    )
+    for tensor in progress:
+        values = _dequantize(tensor, path)
+        if file_arch in _PERMUTED_QK_ARCHITECTURES and ".attn_q." in tensor.name:
+            values = _unpermute_rope_rows(values, config.num_attention_heads)
+        elif file_arch in _PERMUTED_QK_ARCHITECTURES and ".attn_k." in tensor.name:
+            values = _unpermute_rope_rows(values, config.num_key_value_heads)
+        if not values.flags.writeable:  # a view into the read-only memory map (F32)
+            values = values.copy()
+        weights[names[tensor.name]] = torch.from_numpy(values).to(dtype)
+    return weights
+
+
+def _hf_name(name: str, num_layers: int, path: Path) -> str | None:
+    """Hugging Face name of GGUF tensor `name`; None for tensors folded into the config."""
+    if name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[name]
+    if name == _ROPE_FREQS:
+        return None
+    parts = name.split(".")
+    if (
+        len(parts) == 4
+        and parts[0] == "blk"
+        and parts[1].isdigit()
+        and int(parts[1]) < num_layers
+        and parts[2] in _LAYER_TENSORS
+        and parts[3] in ("weight", "bias")
+    ):
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    raise UnsupportedModelError(f"{path}: unexpected tensor {name!r} for a Llama-family model")
+
+
+def _check_complete(present: set[str | None], config: ModelConfig, path: Path) -> None:
+    expected = {"model.embed_tokens.weight", "model.norm.weight"}
+    for layer in range(config.num_hidden_layers):
+        expected.update(f"model.layers.{layer}.{hf}.weight" for hf in _LAYER_TENSORS.values())
+    missing = sorted(expected - present)
+    if missing:
+        raise ModelLoadError(f"{path}: GGUF file lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _dequantize(tensor: ReaderTensor, path: Path) -> np.ndarray:
+    """Float32 values of `tensor`, shaped as PyTorch expects ([out, in] for a linear weight)."""
+    try:
+        values = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise UnsupportedModelError(
+            f"{path}: tensor {tensor.name!r} has GGML type {tensor.tensor_type.name}, "
+            "which infire cannot dequantize"
+        ) from None
+    # GGUF lists dimensions fastest-varying first, so [in, out] there is [out, in] row-major.
+    return values.reshape(tuple(int(dim) for dim in reversed(tensor.shape.tolist())))
+
+
+def _unpermute_rope_rows(values: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation, exactly as transformers' GGUF loader does.
+
+    llama.cpp rotates adjacent pairs (x0, x1), (x2, x3), ... and so its converter interleaves
+    the two halves of every head's rows; our RoPE (HF's rotate_half) pairs x_i with
+    x_{i + head_dim/2}, so the halves must be contiguous again.
+    """
+    half = values.shape[0] // num_heads // 2
+    heads = values.reshape(num_heads, half, 2, *values.shape[1:])
+    return np.ascontiguousarray(heads.swapaxes(1, 2)).reshape(values.shape)
+
+
+# --- tokenizer ---------------------------------------------------------------------------
+
+
+def _load_tokenizer(
+    metadata: dict[str, Any], eos_token_ids: tuple[int, ...], path: Path
+) -> Tokenizer:
+    tokens: list[str] | None = metadata.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise ModelLoadError(f"{path}: GGUF file has no tokenizer.ggml.tokens")
+    token_types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    scores = metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    if len(token_types) != len(tokens) or len(scores) != len(tokens):
+        raise ModelLoadError(
+            f"{path}: {len(tokens)} tokens but {len(token_types)} token types / {len(scores)} scores"
+        )
+    merges = metadata.get("tokenizer.ggml.merges")
+    model = metadata.get("tokenizer.ggml.model")
+    if model == "gpt2":
+        backend = _byte_level_bpe(
+            tokens, token_types, merges or [], metadata.get("tokenizer.ggml.pre")
+        )
+    elif model == "llama":
+        add_space_prefix = metadata.get("tokenizer.ggml.add_space_prefix", True)
+        unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
+        unk = _token_at(tokens, unk_id)
+        backend = _sentencepiece_bpe(tokens, scores, merges, add_space_prefix, unk)
+    else:
+        raise UnsupportedModelError(
+            f"{path}: GGUF tokenizer {model!r} is not supported (supported: gpt2, llama)"
+        )
+    _add_special_tokens(backend, tokens, token_types)
+
+    bos_id = metadata.get("tokenizer.ggml.bos_token_id")
+    eos_id = metadata.get("tokenizer.ggml.eos_token_id")
+    bos, eos = _token_at(tokens, bos_id), _token_at(tokens, eos_id)
+    # llama.cpp adds BOS to a sentencepiece vocabulary that does not say otherwise.
+    add_bos = metadata.get("tokenizer.ggml.add_bos_token", model == "llama") and bos is not None
+    add_eos = metadata.get("tokenizer.ggml.add_eos_token", False) and eos is not None
+    if add_bos or add_eos:
+        single = ([bos] if add_bos else []) + ["$A"] + ([eos] if add_eos else [])
+        special = ([(bos, bos_id)] if add_bos else []) + ([(eos, eos_id)] if add_eos else [])
+        backend.post_processor = processors.TemplateProcessing(
+            single=single, special_tokens=list(dict.fromkeys(special))
+        )
+    return Tokenizer(
+        backend,
+        chat_template=metadata.get("tokenizer.chat_template"),
+        bos_token=bos,
+        eos_token=eos,
+        eos_token_ids=eos_token_ids,
+    )
+
+
+def _token_at(tokens: list[str], token_id: int | None) -> str | None:
+    return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
+
+
+def _byte_level_bpe(
+    tokens: list[str], token_types: list[int], merges: list[str], pre: str | None
+) -> tokenizers.Tokenizer:
+    """GPT-2 style byte-level BPE (Llama 3, Qwen2, SmolLM, ...)."""
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab: dict[str, int] = {}
+    for index, (token, token_type) in enumerate(zip(tokens, token_types, strict=True)):
+        # Special tokens are stored as their raw text and matched as added tokens; a normal
+        # token outside the byte alphabet is a raw string the merges spell in bytes.
+        if token_type not in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED) and not set(token) <= alphabet:
+            token = "".join(spelling[byte] for byte in token.encode("utf-8"))
+        vocab[token] = index
+    backend = tokenizers.Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[tuple(merge.split(" ", 1)) for merge in merges],
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
+    backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
+    if pre in _NFC_PRE:
+        backend.normalizer = normalizers.NFC()
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    if pre == "smollm":
+        # SmolLM's tokenizer.json splits digits first, then applies the GPT-2 regex.
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    split = _SPLIT_BY_PRE.get(pre or "")
+    if split is None:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def _sentencepiece_bpe(
+    tokens: list[str],
+    scores: list[float],
+    merges: list[str] | None,
+    add_space_prefix: bool,
+    unk: str | None,
+) -> tokenizers.Tokenizer:
+    """SentencePiece BPE with byte fallback (Llama 2, Mistral), as transformers rebuilds it."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    if merges:
+        pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    else:
+        pairs = _merges_from_scores(vocab, dict(zip(tokens, scores, strict=True)))
+    backend = tokenizers.Tokenizer(
+        models.BPE(vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    )
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if add_space_prefix else "never", split=False
+    )
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(steps)
+    return backend
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a scored vocabulary: best-scoring result first.
+
+    A sentencepiece GGUF stores no merges; this is transformers' `generate_merges`, kept
+    identical (including its tie-breaks) so that both tokenize the same way.
+    """
+    merges: list[tuple[str, str, float]] = []
+    for token, score in scores.items():
+        local = [
+            (token[:cut], token[cut:], score)
+            for cut in range(1, len(token))
+            if token[:cut] in vocab and token[cut:] in vocab
+        ]
+        local.sort(key=lambda merge: (vocab[merge[0]], vocab[merge[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda merge: (merge[2], len(merge[0]), len(merge[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _add_special_tokens(
+    backend: tokenizers.Tokenizer, tokens: list[str], token_types: list[int]
+) -> None:
+    """Make control / unknown tokens special and user-defined ones added, so each stays whole."""
+    special = [
+        AddedToken(token, special=True, normalized=False)
+        for token, token_type in zip(tokens, token_types, strict=True)
+        if token_type in (_TOKEN_CONTROL, _TOKEN_UNKNOWN)
+    ]
+    # User-defined tokens (like <think>) are matched whole in text, as llama.cpp does, but are
+    # not special: decoding with skip_special_tokens keeps them (transformers does the same).
+    user_defined = [
+        AddedToken(token, special=False, normalized=False)
+        for token, token_type in zip(tokens, token_types, strict=True)
+        if token_type == _TOKEN_USER_DEFINED
+    ]
+    if special:
+        backend.add_special_tokens(special)
+    if user_defined:
+        backend.add_tokens(user_defined)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table that byte-level vocabularies are spelled in."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\u00a1"), ord("\u00ac") + 1),
+        *range(ord("\u00ae"), ord("\u00ff") + 1),
+    ]
+    table = {byte: chr(byte) for byte in printable}
+    for offset, byte in enumerate(b for b in range(256) if b not in table):
+        table[byte] = chr(256 + offset)
+    return table
