@@ -120,6 +120,7 @@ class ModelRunner:
                 prefill.append(row)
         if decode:
             meta.decode = self._decode_group(decode)
+            meta.only_decode = len(decode) == len(batch)
         if prefill:
             meta.prefill = self._prefill_group(prefill)
 

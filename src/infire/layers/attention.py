@@ -48,6 +48,7 @@ class AttentionMetadata:
     fresh: slice | None = None  # rows of a single no-context prefill, if any
     decode: DecodeGroup | None = None
     prefill: PrefillGroup | None = None
+    only_decode: bool = False  # every row decodes, in order: skip the scatter
 
 
 class PagedAttention:
@@ -71,6 +72,8 @@ class PagedAttention:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        if meta.only_decode:
+            return self._decode(q, k_cache, v_cache, meta.decode).view(q.shape[0], -1)
         out = torch.empty_like(q)
         if meta.fresh is not None:
             out[meta.fresh] = self._fresh(q[meta.fresh], k[meta.fresh], v[meta.fresh])

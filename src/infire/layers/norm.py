@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -20,10 +21,8 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(dtype)
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        out = self.weight * normed.to(x.dtype)
         return out if residual is None else (out, residual)
 
     def load_shard(self, name: str, loaded: torch.Tensor, shard_index: int = 0) -> None:

@@ -32,7 +32,7 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to flattened q [T, H, D] and k [T, KVH, D] at the given positions."""
+    """Precomputed RoPE cos/sin tables for every position up to the context length."""
 
     def __init__(
         self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None
@@ -44,14 +44,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[2, T, 1, D] cos and sin rows of this step's positions, computed once per step."""
+        return torch.stack((self.cos[positions], self.sin[positions])).to(dtype).unsqueeze(2)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [T, heads, D] (q and k heads together) with cos/sin from cos_sin()."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos_sin[0] + rotated * cos_sin[1]

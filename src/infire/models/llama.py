@@ -20,16 +20,14 @@ from infire.layers.attention import AttentionMetadata, PagedAttention
 from infire.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from infire.layers.linear import ColumnParallelLinear, RowParallelLinear
 from infire.layers.norm import RMSNorm
-from infire.layers.rotary import RotaryEmbedding
+from infire.layers.rotary import RotaryEmbedding, apply_rotary
 from infire.parallel import SINGLE, TensorParallelGroup
 
 
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention with RoPE over the paged KV cache."""
 
-    def __init__(
-        self, config: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallelGroup
-    ) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup) -> None:
         super().__init__()
         self.head_dim = config.head_dim
         self.num_heads = tp.shard(config.num_attention_heads, "num_attention_heads")[1]
@@ -42,23 +40,21 @@ class LlamaAttention(nn.Module):
             config.hidden_size, [q_full, kv_full, kv_full], bias=config.attention_bias, tp=tp
         )
         self.o_proj = RowParallelLinear(q_full, config.hidden_size, tp=tp)
-        self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(
         self,
-        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
         hidden: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        t = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v.view(t, self.num_kv_heads, self.head_dim), kv_cache, meta)
-        return self.o_proj(out)
+        qkv = self.qkv_proj(hidden).view(hidden.shape[0], -1, self.head_dim)
+        # q and k heads are adjacent in the merged projection: one RoPE pass rotates both.
+        qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], cos_sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.num_heads + self.num_kv_heads :]
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
 class LlamaMLP(nn.Module):
@@ -78,23 +74,21 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm transformer block."""
 
-    def __init__(
-        self, config: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallelGroup
-    ) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, tp)
+        self.self_attn = LlamaAttention(config, tp)
         self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
-        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
         hidden: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+        hidden = hidden + self.self_attn(cos_sin, self.input_layernorm(hidden), kv_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -115,12 +109,12 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE) -> None:
         super().__init__()
         self.config = config
-        rotary = RotaryEmbedding(
+        self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, tp) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
@@ -136,8 +130,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] of the flat batch; kv_caches is [layers, 2, ...]."""
         hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, meta)
+            hidden = layer(cos_sin, hidden, kv_cache, meta)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
