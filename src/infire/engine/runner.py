@@ -49,6 +49,8 @@ class ModelRunner:
             self.model = LlamaForCausalLM(config).to(dtype)
         self.model.load_weights(weights)
         self.model.eval()
+        if self.device.type == "cpu":
+            self.model.pack_for_cpu()
         self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(cache_config)
         self.kv_cache = torch.zeros(
             config.num_hidden_layers, 2, self.num_blocks, self.block_size,

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infire.layers.linear import LinearBase
 from infire.parallel import SINGLE, TensorParallelGroup
 
 
@@ -35,13 +36,15 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.data[rows.shape[0] :].zero_()
 
 
-class ParallelLMHead(VocabParallelEmbedding):
-    """Output projection to vocab logits; may share its weight with the embedding (tied)."""
+class ParallelLMHead(VocabParallelEmbedding, LinearBase):
+    """Output projection to vocab logits; may share its weight with the embedding (tied).
+
+    Packing it for oneDNN unties it: the embedding keeps its own rows."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup = SINGLE) -> None:
         super().__init__(vocab_size, hidden_size, tp)
         self.vocab_size = vocab_size
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.tp.all_gather_last_dim(self.matmul(hidden))
         return logits[..., : self.vocab_size]

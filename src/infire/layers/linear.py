@@ -15,7 +15,36 @@ from torch import nn
 from infire.parallel import SINGLE, TensorParallelGroup
 
 
-class ColumnParallelLinear(nn.Module):
+class LinearBase(nn.Module):
+    """Weight storage shared by the parallel linears: [out, in] as checkpoints have it, or,
+    after loading, prepacked into oneDNN's blocked layout for CPU matmuls (on this class of
+    CPU 1.5-2x faster than MKL's at the small batch sizes of decoding)."""
+
+    weight: nn.Parameter
+    packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> bool:
+        """Replace the weight by a oneDNN-packed copy; False where oneDNN cannot pack it."""
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, PACK_BATCH_HINT)
+        except (RuntimeError, AttributeError):
+            return False
+        self.packed = packed
+        self.weight = nn.Parameter(torch.empty(0, dtype=packed.dtype), requires_grad=False)
+        return True
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ bias) for 2-D x, whatever the storage."""
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [None], "")
+        return F.linear(x, self.weight, bias)
+
+
+# oneDNN picks its blocking for this many rows; it stays fast from 1 to 512 rows.
+PACK_BATCH_HINT = 32
+
+
+class ColumnParallelLinear(LinearBase):
     """y = x W^T + b with W's rows (output features) split across the tp group."""
 
     def __init__(
@@ -33,7 +62,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
     def load_shard(self, name: str, loaded: torch.Tensor, shard_index: int = 0) -> None:
         """Copy this rank's rows of logical weight `shard_index` from a full tensor."""
@@ -50,7 +79,7 @@ class ColumnParallelLinear(nn.Module):
         param.data[offset : offset + size].copy_(loaded[start : start + size])
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearBase):
     """y = x W^T + b with W's columns (input features) split; partial sums all-reduced."""
 
     def __init__(
@@ -68,7 +97,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the sum over ranks.
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.matmul(x))
         return y + self.bias if self.bias is not None else y
 
     def load_shard(self, name: str, loaded: torch.Tensor, shard_index: int = 0) -> None:

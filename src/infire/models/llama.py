@@ -18,7 +18,7 @@ from infire.config import ModelConfig
 from infire.errors import ModelLoadError
 from infire.layers.attention import AttentionMetadata, PagedAttention
 from infire.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from infire.layers.linear import ColumnParallelLinear, RowParallelLinear
+from infire.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
 from infire.layers.norm import RMSNorm
 from infire.layers.rotary import RotaryEmbedding, apply_rotary
 from infire.parallel import SINGLE, TensorParallelGroup
@@ -138,6 +138,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits [N, vocab] in float32 for the selected hidden rows."""
         return self.lm_head(hidden).float()
+
+    def pack_for_cpu(self) -> bool:
+        """Prepack every matmul weight for oneDNN (call after load_weights); False if unsupported."""
+        linears = [m for m in self.modules() if isinstance(m, LinearBase)]
+        return all([m.pack_for_cpu() for m in linears])
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load a full checkpoint keyed by Hugging Face names; every parameter must be set."""
