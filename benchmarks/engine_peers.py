@@ -41,6 +41,7 @@ class Peer(Protocol):
 
     engine: str  # "infire", "transformers", "llama.cpp"
     weights: str  # the dtype it computes in, or the quantized format
+    child_pids: tuple[int, ...]  # subprocesses whose CPU time is the peer's own
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> Generation:
         """Greedy, EOS ignored, exactly max_tokens new tokens per prompt."""
@@ -60,6 +61,7 @@ class InfirePeer:
     """infire through its offline API, `LLM.generate`; prefix caching off (no peer has it)."""
 
     engine = "infire"
+    child_pids: tuple[int, ...] = ()
 
     def __init__(self, dtype: str, kv_cache_memory: int) -> None:
         from infire import LLM, SamplingParams
@@ -90,6 +92,7 @@ class TransformersPeer:
     """Hugging Face transformers `generate`, batched with left padding."""
 
     engine = "transformers"
+    child_pids: tuple[int, ...] = ()
 
     def __init__(self, model: Any, dtype: torch.dtype, pad_token_id: int) -> None:
         self.weights = str(dtype).removeprefix("torch.")
@@ -162,6 +165,7 @@ class LlamaCppPeer:
         self.process = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
+        self.child_pids = (self.process.pid,)
         ready = self._read()
         if not ready.get("ready"):
             self.close()

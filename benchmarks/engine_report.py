@@ -30,6 +30,7 @@ class PeerSummary:
     stream_decode_tok_s: float | None  # from per-token timestamps (llama.cpp only)
     batch_prefill_tok_s: float | None  # per-request first-token times in the batch (llama.cpp)
     greedy_agreement: int | None  # leading tokens equal to transformers float32's
+    max_others_cores: float | None  # most CPU other processes took during a measurement
     error: str | None
 
 
@@ -118,6 +119,12 @@ def markdown_report(
             "\nGreedy tokens equal to transformers float32's (leading): "
             + ", ".join(agreement)
             + "."
+        )
+    disturbance = [s.max_others_cores for s in summaries if s.max_others_cores is not None]
+    if disturbance:
+        lines.append(
+            f"\nOther processes used at most {max(disturbance):.2f} cores during any "
+            "measurement kept."
         )
     if llamacpp_error:
         lines.append(f"\nllama.cpp: not available ({llamacpp_error}).")
