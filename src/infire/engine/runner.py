@@ -103,10 +103,9 @@ class ModelRunner:
             positions += range(start, end)
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        meta = AttentionMetadata(slot_mapping=as_tensor(slots))
+        meta = AttentionMetadata(slot_mapping=_longs(slots, self.device))
         self._group_attention(batch, meta)
-        return as_tensor(tokens), as_tensor(positions), meta
+        return _longs(tokens, self.device), _longs(positions, self.device), meta
 
     def _group_attention(self, batch: list[ScheduledSequence], meta: AttentionMetadata) -> None:
         decode, prefill = [], []
@@ -157,11 +156,10 @@ class ModelRunner:
         key_pos = torch.arange(tables.shape[1] * self.block_size, device=self.device)
         q_pos = torch.tensor(query_pos, device=self.device)
         mask = (key_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)).unsqueeze(1)
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         return PrefillGroup(
-            gather_index=as_tensor(gather),
-            valid_index=as_tensor(valid),
-            token_index=as_tensor(token_index),
+            gather_index=_longs(gather, self.device),
+            valid_index=_longs(valid, self.device),
+            token_index=_longs(token_index, self.device),
             block_tables=tables,
             mask=mask,
             max_q=max_q,
@@ -170,9 +168,8 @@ class ModelRunner:
     def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
         params = [seq.params for seq in seqs]
         dev = self.device
-        floats = lambda xs: torch.tensor(xs, dtype=torch.float32, device=dev)  # noqa: E731
         meta = SamplingMetadata(
-            temperature=floats([p.temperature for p in params]),
+            temperature=_floats([p.temperature for p in params], dev),
             top_k=None,
             top_p=None,
             min_p=None,
@@ -182,9 +179,9 @@ class ModelRunner:
         if any(p.top_k > 0 for p in params):
             meta.top_k = torch.tensor([p.top_k for p in params], device=dev)
         if any(p.top_p < 1.0 for p in params):
-            meta.top_p = floats([p.top_p for p in params])
+            meta.top_p = _floats([p.top_p for p in params], dev)
         if any(p.min_p > 0.0 for p in params):
-            meta.min_p = floats([p.min_p for p in params])
+            meta.min_p = _floats([p.min_p for p in params], dev)
         if any(p.uses_penalties for p in params):
             self._penalty_metadata(meta, seqs)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
@@ -193,10 +190,9 @@ class ModelRunner:
 
     def _penalty_metadata(self, meta: SamplingMetadata, seqs: list[Sequence]) -> None:
         vocab, dev = self.config.vocab_size, self.device
-        column = lambda xs: torch.tensor(xs, dtype=torch.float32, device=dev).unsqueeze(1)  # noqa: E731
-        meta.repetition_penalty = column([s.params.repetition_penalty for s in seqs])
-        meta.frequency_penalty = column([s.params.frequency_penalty for s in seqs])
-        meta.presence_penalty = column([s.params.presence_penalty for s in seqs])
+        meta.repetition_penalty = _floats([s.params.repetition_penalty for s in seqs], dev)[:, None]
+        meta.frequency_penalty = _floats([s.params.frequency_penalty for s in seqs], dev)[:, None]
+        meta.presence_penalty = _floats([s.params.presence_penalty for s in seqs], dev)[:, None]
         # One spare column absorbs padding ids; token ids past the vocab cannot occur.
         meta.seen_mask = torch.zeros(len(seqs), vocab + 1, dtype=torch.bool, device=dev)
         meta.output_counts = torch.zeros(len(seqs), vocab + 1, device=dev)
@@ -206,6 +202,14 @@ class ModelRunner:
         meta.output_counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=torch.float32))
         meta.seen_mask = meta.seen_mask[:, :vocab]
         meta.output_counts = meta.output_counts[:, :vocab]
+
+
+def _longs(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _floats(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
