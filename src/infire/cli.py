@@ -48,6 +48,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-model-len", type=int, help="context length cap (default: the model's)"
     )
+    group.add_argument(
+        "--no-cpu-kernels", action="store_true",
+        help="run every step through PyTorch instead of the fused C forward on CPU",
+    )  # fmt: skip
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -67,6 +71,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model,
         dtype=args.dtype,
         device=args.device,
+        cpu_kernels=not args.no_cpu_kernels,
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory,
@@ -98,7 +103,8 @@ def _load(args: argparse.Namespace) -> LLMEngine:
     engine = LLMEngine(_engine_config(args))
     print(
         f"infire: ready in {time.perf_counter() - start:.1f}s "
-        f"({engine.dtype}, {engine.runner.num_blocks} KV blocks)",
+        f"({engine.dtype}, {engine.runner.num_blocks} KV blocks, "
+        f"CPU kernels {engine.runner.fused_status})",
         file=sys.stderr,
     )
     return engine

@@ -100,6 +100,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
+    cpu_kernels: bool = True  # fused C forward on CPU where it applies (infire.kernels)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -117,12 +118,17 @@ _DTYPES = {
 }
 
 
-def resolve_dtype(name: str, device: str) -> torch.dtype:
-    """Map a dtype name ('auto', 'float32', 'bfloat16', ...) to the serving torch dtype."""
+def resolve_dtype(name: str, device: str, fused_cpu_bf16: bool = False) -> torch.dtype:
+    """Map a dtype name ('auto', 'float32', 'bfloat16', ...) to the serving torch dtype.
+
+    On CPU, auto is bfloat16 where matmuls in it are fast: natively (AMX, AVX512-BF16) or
+    through the fused CPU forward (`fused_cpu_bf16`), which reads bf16 weights and
+    computes in fp32; elsewhere float32.
+    """
     if name == "auto":
         if device.startswith("cuda"):
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+        return torch.bfloat16 if fused_cpu_bf16 or _cpu_has_fast_bf16() else torch.float32
     try:
         return _DTYPES[name]
     except KeyError:

@@ -20,6 +20,7 @@ from infire.engine.runner import ModelRunner, StepResult
 from infire.engine.scheduler import Scheduler, SchedulerOutput
 from infire.engine.stop import append_token
 from infire.errors import ContextLengthError, InvalidRequestError
+from infire.kernels import cpu_forward
 from infire.models.loader import load_model
 from infire.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from infire.sampling_params import SamplingParams
@@ -45,7 +46,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
-        self.dtype = resolve_dtype(config.dtype, config.device)
+        fused_bf16 = config.cpu_kernels and config.device == "cpu" and cpu_forward.available()
+        self.dtype = resolve_dtype(config.dtype, config.device, fused_bf16)
         loaded = load_model(config.model, self.dtype)
         self.model_name = loaded.name
         self.model_config = loaded.config
@@ -53,7 +55,13 @@ class LLMEngine:
         context = self.model_config.max_position_embeddings
         self.max_model_len = min(config.scheduler.max_model_len or context, context)
         self.runner = ModelRunner(
-            loaded.config, loaded.weights, config.cache, self.dtype, config.device, config.seed
+            loaded.config,
+            loaded.weights,
+            config.cache,
+            self.dtype,
+            config.device,
+            config.seed,
+            config.cpu_kernels,
         )
         del loaded
         self.block_manager = BlockManager(

@@ -33,12 +33,14 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
+        cpu_kernels: bool = True,
     ) -> None:
         config = EngineConfig(
             model=model,
             dtype=dtype,
             device=device,
             seed=seed,
+            cpu_kernels=cpu_kernels,
             cache=CacheConfig(block_size, kv_cache_memory, num_blocks, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len),
         )

@@ -16,6 +16,7 @@ from infire.config import CacheConfig, ModelConfig
 from infire.engine.request import Sequence
 from infire.engine.scheduler import ScheduledSequence
 from infire.errors import ModelLoadError
+from infire.kernels import CpuForward
 from infire.layers.attention import AttentionMetadata, DecodeGroup, PrefillGroup
 from infire.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from infire.models.llama import LlamaForCausalLM
@@ -40,6 +41,7 @@ class ModelRunner:
         dtype: torch.dtype,
         device: str = "cpu",
         seed: int = 0,
+        cpu_kernels: bool = True,
     ) -> None:
         self.config = config
         self.device = torch.device(device)
@@ -49,13 +51,23 @@ class ModelRunner:
             self.model = LlamaForCausalLM(config).to(dtype)
         self.model.load_weights(weights)
         self.model.eval()
-        if self.device.type == "cpu":
-            self.model.pack_for_cpu()
         self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(cache_config)
         self.kv_cache = torch.zeros(
             config.num_hidden_layers, 2, self.num_blocks, self.block_size,
             config.num_key_value_heads, config.head_dim, dtype=dtype, device=self.device,
         )  # fmt: skip
+        # The fused CPU forward, where it applies, tiles its own copy of the weights, so it
+        # is built before oneDNN packing replaces them.
+        self.fused: CpuForward | None = None
+        self.fused_status = "disabled"
+        if cpu_kernels:
+            built = CpuForward.build(self.model, self.kv_cache, dtype)
+            self.fused = built if isinstance(built, CpuForward) else None
+            self.fused_status = "active" if self.fused else f"unavailable: {built}"
+        if self.fused is not None and self.fused.takes_prefill:
+            self.model.drop_matmul_weights()  # every step runs fused: one copy in memory
+        elif self.device.type == "cpu":
+            self.model.pack_for_cpu()
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(seed))
 
     def _blocks_for_budget(self, cache_config: CacheConfig) -> int:
@@ -73,25 +85,51 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSequence]) -> StepResult:
-        """One forward over the batch; samples for sequences whose known tokens are all computed."""
-        input_ids, positions, meta = self._prepare_inputs(batch)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
-        rows, sampled_seqs = [], []
-        end = 0
-        for item in batch:
-            end += item.num_new_tokens
-            if item.seq.num_computed_tokens + item.num_new_tokens == len(item.seq.token_ids):
-                rows.append(end - 1)
-                sampled_seqs.append(item.seq)
-        if not rows:
+        """One forward over the batch; samples for sequences whose known tokens are all computed.
+
+        With the fused CPU forward, decodes (and in bf16 every item) run through it and the
+        rest through the PyTorch model: a token always takes the same path, whatever its
+        batch holds, so batching never changes a result.
+        """
+        fused = [i for i in batch if self._takes_fused(i)]
+        others = [i for i in batch if not self._takes_fused(i)]
+        sampled_seqs: list[Sequence] = []
+        logits: list[torch.Tensor] = []
+        for run, items in ((self._forward, others), (self._forward_fused, fused)):
+            if items:
+                seqs, rows = run(items)
+                sampled_seqs += seqs
+                logits += [rows] if seqs else []
+        if not sampled_seqs:
             return StepResult([], None)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        output = self.sampler(logits, self._sampling_metadata(sampled_seqs))
+        output = self.sampler(torch.cat(logits), self._sampling_metadata(sampled_seqs))
         return StepResult(sampled_seqs, output)
 
-    def _prepare_inputs(
-        self, batch: list[ScheduledSequence]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _takes_fused(self, item: ScheduledSequence) -> bool:
+        return self.fused is not None and (item.num_new_tokens == 1 or self.fused.takes_prefill)
+
+    def _forward(self, batch: list[ScheduledSequence]) -> tuple[list[Sequence], torch.Tensor]:
+        """PyTorch forward; logits of the sequences that sample this step."""
+        input_ids, positions, meta = self._prepare_inputs(batch)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        rows = _last_rows(batch)
+        if not rows:
+            return [], hidden[:0]
+        logits = self.model.compute_logits(hidden[_longs(rows, self.device)])
+        return [item.seq for item in batch if _samples(item)], logits
+
+    def _forward_fused(self, batch: list[ScheduledSequence]) -> tuple[list[Sequence], torch.Tensor]:
+        """The same through the fused CPU forward."""
+        tokens, positions, slots = self._flatten(batch)
+        seq_of_token = [i for i, item in enumerate(batch) for _ in range(item.num_new_tokens)]
+        tables = [item.seq.block_table for item in batch]
+        logits = self.fused.forward(
+            tokens, positions, slots, seq_of_token, tables, _last_rows(batch)
+        )
+        return [item.seq for item in batch if _samples(item)], logits
+
+    def _flatten(self, batch: list[ScheduledSequence]) -> tuple[list[int], list[int], list[int]]:
+        """Token ids, positions and pool slots of the batch's new tokens, in order."""
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -103,6 +141,12 @@ class ModelRunner:
             positions += range(start, end)
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+        return tokens, positions, slots
+
+    def _prepare_inputs(
+        self, batch: list[ScheduledSequence]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        tokens, positions, slots = self._flatten(batch)
         meta = AttentionMetadata(slot_mapping=_longs(slots, self.device))
         self._group_attention(batch, meta)
         return _longs(tokens, self.device), _longs(positions, self.device), meta
@@ -202,6 +246,21 @@ class ModelRunner:
         meta.output_counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=torch.float32))
         meta.seen_mask = meta.seen_mask[:, :vocab]
         meta.output_counts = meta.output_counts[:, :vocab]
+
+
+def _last_rows(batch: list[ScheduledSequence]) -> list[int]:
+    """Rows of the flat batch whose logits are sampled: each sampling item's last token."""
+    rows, end = [], 0
+    for item in batch:
+        end += item.num_new_tokens
+        if _samples(item):
+            rows.append(end - 1)
+    return rows
+
+
+def _samples(item: ScheduledSequence) -> bool:
+    """Whether this step computes the sequence's last known token (so it samples the next)."""
+    return item.seq.num_computed_tokens + item.num_new_tokens == len(item.seq.token_ids)
 
 
 def _longs(values: list[int], device: torch.device) -> torch.Tensor:

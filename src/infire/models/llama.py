@@ -144,6 +144,13 @@ class LlamaForCausalLM(nn.Module):
         linears = [m for m in self.modules() if isinstance(m, LinearBase)]
         return all([m.pack_for_cpu() for m in linears])
 
+    def drop_matmul_weights(self) -> None:
+        """Free every matmul weight, for when a fused forward with its own copy runs the model."""
+        for module in self.modules():
+            if isinstance(module, LinearBase):
+                dtype = module.weight.dtype
+                module.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load a full checkpoint keyed by Hugging Face names; every parameter must be set."""
         modules = dict(self.named_modules())

@@ -1,0 +1,240 @@
+"""The fused CPU forward (cpu_forward.c): built on first use, driven through ctypes.
+
+The C source ships inside the package and is compiled once per machine with the system C
+compiler into infire's cache folder (keyed by a hash of the source and flags), then loaded
+into this process, where it shares PyTorch's OpenMP runtime and thread pool. Where it
+cannot apply (no AVX2/FMA, no compiler, a GPU, tensor parallelism, a dtype or shape it does
+not handle) `CpuForward.build` says why and the engine stays on the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from infire.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_forward.c")
+CFLAGS = ["-O3", "-std=gnu11", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+TILE_ROWS, TILE_COLS = 4, 16
+MAX_HEAD_DIM = 256
+
+_ptr = ctypes.c_void_p
+
+
+class _Model(ctypes.Structure):
+    """Mirror of InfireModel in cpu_forward.c."""
+
+    _fields_ = [
+        *((name, ctypes.c_int32) for name in (
+            "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
+            "vocab", "block_size", "weight_bf16", "kv_bf16",
+        )),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("num_blocks", ctypes.c_int64),
+        *((name, ctypes.POINTER(_ptr)) for name in (
+            "qkv", "qkv_bias", "o_proj", "gate_up", "down", "norm1", "norm2",
+        )),
+        ("final_norm", _ptr),
+        ("embed", _ptr),
+        ("lm_head", _ptr),
+        ("kv_cache", _ptr),
+    ]  # fmt: skip
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels live: $INFIRE_CACHE_DIR, else $XDG_CACHE_HOME/infire."""
+    if "INFIRE_CACHE_DIR" in os.environ:
+        return Path(os.environ["INFIRE_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "infire"
+
+
+@cache
+def load_library() -> ctypes.CDLL | str:
+    """The compiled kernel library, or why it is unavailable (compiled on first call)."""
+    compiler = os.environ.get("CC", "cc")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *CFLAGS]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"cpu_forward-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            command = [compiler, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"]
+            try:
+                result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                return f"cannot run the C compiler {compiler!r}: {e}"
+            if result.returncode != 0:
+                return f"{compiler} failed on {SOURCE.name}: {result.stderr.strip()[-500:]}"
+            os.replace(built, target)  # atomic: concurrent builders never load half a file
+    lib = ctypes.CDLL(str(target))
+    lib.infire_forward.restype = ctypes.c_int
+    lib.infire_forward_workspace.restype = ctypes.c_long
+    lib.infire_forward_workspace.argtypes = [ctypes.POINTER(_Model), ctypes.c_int]
+    return lib
+
+
+def tile_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[rows, cols] -> the kernel's layout [rows/4, cols/16, 4, 16], rows zero-padded to 4.
+
+    bf16 16-chunks are stored as (w0, w8, w1, w9, ...), so one shift and one mask give
+    columns 0-7 and 8-15 as fp32.
+    """
+    rows, cols = weight.shape
+    pad = -rows % TILE_ROWS
+    if pad:
+        weight = torch.cat([weight, weight.new_zeros(pad, cols)])
+    tiles = weight.reshape(-1, TILE_ROWS, cols // TILE_COLS, TILE_COLS).transpose(1, 2)
+    if weight.dtype == torch.bfloat16:
+        tiles = tiles.reshape(*tiles.shape[:-1], 2, TILE_COLS // 2).transpose(-1, -2)
+    return tiles.contiguous()
+
+
+def available() -> bool:
+    """Whether this CPU runs the kernel and the library builds (cached after the first call)."""
+    return _cpu_reason() is None and not isinstance(load_library(), str)
+
+
+def _cpu_reason() -> str | None:
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not capability.startswith(("AVX2", "AVX512")):
+        return f"CPU capability is {capability}, the kernel needs AVX2 and FMA"
+    return None
+
+
+def unsupported_reason(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why the fused forward cannot run this model here, or None if it can."""
+    if device.type != "cpu":
+        return f"device is {device.type}"
+    if _cpu_reason() is not None:
+        return _cpu_reason()
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {dtype} (the kernel handles float32 and bfloat16)"
+    q_size = config.num_attention_heads * config.head_dim
+    for name, size in (
+        ("hidden_size", config.hidden_size),
+        ("intermediate_size", config.intermediate_size),
+        ("num_attention_heads * head_dim", q_size),
+    ):
+        if size % TILE_COLS:
+            return f"{name} {size} is not a multiple of {TILE_COLS}"
+    if config.head_dim % 8 or config.head_dim > MAX_HEAD_DIM:
+        return f"head_dim {config.head_dim} (needs a multiple of 8, at most {MAX_HEAD_DIM})"
+    return None
+
+
+class CpuForward:
+    """A step's tokens, embedding to logits, in one C call.
+
+    Holds its own tiled copies of the weights (the PyTorch model keeps its own for the
+    work this does not take: fp32 prefill, where oneDNN's GEMM is faster).
+    """
+
+    def __init__(self, lib: ctypes.CDLL, model: torch.nn.Module, kv_cache: torch.Tensor) -> None:
+        self.lib = lib
+        config: ModelConfig = model.config
+        self.vocab = config.vocab_size
+        # In fp32 PyTorch's GEMM beats the kernel on prefill; in bf16 (no bf16 instructions
+        # on AVX2 CPUs) the kernel is ~5x faster than PyTorch, so it takes prefill too.
+        self.takes_prefill = model.embed_tokens.weight.dtype == torch.bfloat16
+        self.rotary = model.rotary
+        layers = model.layers
+        keep: list[torch.Tensor] = []  # every tensor the struct points into
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            keep.append(t)
+            return t.data_ptr()
+
+        def array(tensors: list[torch.Tensor | None]) -> ctypes.Array:
+            return (_ptr * len(tensors))(*(ptr(t) for t in tensors))
+
+        def tiled(layer_weights: list[torch.Tensor]) -> ctypes.Array:
+            return array([tile_weight(w.data) for w in layer_weights])
+
+        def fp32(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.data.float().contiguous()
+
+        attn = [layer.self_attn for layer in layers]
+        mlp = [layer.mlp for layer in layers]
+        self._arrays = [
+            tiled([a.qkv_proj.weight for a in attn]),
+            array([fp32(a.qkv_proj.bias) for a in attn]),
+            tiled([a.o_proj.weight for a in attn]),
+            tiled([m.gate_up_proj.weight for m in mlp]),
+            tiled([m.down_proj.weight for m in mlp]),
+            array([fp32(layer.input_layernorm.weight) for layer in layers]),
+            array([fp32(layer.post_attention_layernorm.weight) for layer in layers]),
+        ]
+        self.struct = _Model(
+            config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+            config.num_key_value_heads, config.head_dim, config.intermediate_size,
+            config.vocab_size, kv_cache.shape[3], model.embed_tokens.weight.dtype == torch.bfloat16,
+            kv_cache.dtype == torch.bfloat16, config.rms_norm_eps, config.head_dim**-0.5,
+            kv_cache.shape[2], *self._arrays, ptr(fp32(model.norm.weight)),
+            ptr(model.embed_tokens.weight.data), ptr(tile_weight(model.lm_head.weight.data)),
+            ptr(kv_cache),
+        )  # fmt: skip
+        self._keep = keep
+        self._workspace = torch.empty(0)
+
+    @classmethod
+    def build(
+        cls, model: torch.nn.Module, kv_cache: torch.Tensor, dtype: torch.dtype
+    ) -> CpuForward | str:
+        """A fused forward for this model and pool, or the reason there cannot be one."""
+        reason = unsupported_reason(model.config, dtype, kv_cache.device)
+        if reason is not None:
+            return reason
+        lib = load_library()
+        if isinstance(lib, str):
+            return lib
+        return cls(lib, model, kv_cache)
+
+    def forward(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        seq_of_token: list[int],
+        block_tables: list[list[int]],
+        logit_rows: list[int],
+    ) -> torch.Tensor:
+        """Logits [len(logit_rows), vocab] (float32) after running the tokens; writes their KV.
+
+        Token i is at positions[i] of sequence seq_of_token[i] (whose block table is
+        block_tables[seq_of_token[i]]); its earlier context is in the pool or among the tokens.
+        """
+        n = len(token_ids)
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        pos = torch.tensor(positions, dtype=torch.int32)
+        cos = self.rotary.cos[pos].float()
+        sin = self.rotary.sin[pos].float()
+        ints = [torch.tensor(v, dtype=torch.int32) for v in (seq_of_token, logit_rows)]
+        longs = [torch.tensor(v, dtype=torch.int64) for v in (token_ids, slots)]
+        need = self.lib.infire_forward_workspace(ctypes.byref(self.struct), n)
+        if self._workspace.numel() < need:
+            self._workspace = torch.empty(need)
+        logits = torch.empty(len(logit_rows), self.vocab)
+        args = (longs[0], pos, cos, sin, longs[1], ints[0], tables)
+        self.lib.infire_forward(
+            ctypes.byref(self.struct), ctypes.c_int(n), *(_ptr(t.data_ptr()) for t in args),
+            ctypes.c_int(width), ctypes.c_int(len(logit_rows)), _ptr(ints[1].data_ptr()),
+            _ptr(self._workspace.data_ptr()), _ptr(logits.data_ptr()),
+        )  # fmt: skip
+        return logits
