@@ -9,7 +9,10 @@ Measures, on the same token-id prompts for every peer, greedy and ignoring EOS:
     output tok/s = 32 * 128 / wall time of the whole batch;
 (c) the memory-bandwidth roofline: read bandwidth (torch.sum over 1 GiB of float32, best of
     5), weight bytes read per decoded token (every parameter once; the tied embedding is
-    read once, for the LM head), roofline tok/s = bandwidth / bytes per token.
+    read once, for the LM head), roofline tok/s = bandwidth / bytes per token;
+(d) the compute ceiling of (b): its matmul flops (2 per layer weight per prompt and
+    decoded token, 2 per LM-head weight per output token; attention not counted) over the
+    fp32 matmul peak (2048^3 torch.mm, best of 5): no fp32 engine beats that output rate.
 Each peer is warmed up once; measurements alternate peers (A B A B) and medians are
 reported. Before each measurement the script waits for other processes to go idle, and it
 repeats a measurement they disturbed (see machine_load.py). llama.cpp runs in its own venv,
@@ -125,6 +128,7 @@ class Setting:
     machine: dict[str, Any]
     weights: dict[str, Any]
     bandwidth: dict[str, float]
+    matmul_flops_per_s: float  # fp32 peak, torch.mm 2048^3
     llamacpp_error: str | None = None
 
 
@@ -219,6 +223,27 @@ def read_bandwidth(num_bytes: int, repeats: int = 5) -> dict[str, float]:
     return {"read_bytes_per_s": num_bytes / read, "copy_bytes_per_s": 2 * num_bytes / copy}
 
 
+def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
+    """Best-of-N fp32 matmul rate in flop/s (the machine's practical compute peak)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def batch_flops(plan: Plan, weights: dict[str, Any]) -> float:
+    """Matmul flops of workload (b): layers for every prompt and decoded token, the LM head
+    for every output token (the tied embedding counted once)."""
+    layers = weights["parameters"] - weights["embedding_parameters"]
+    per_seq = 2 * (plan.batch_prompt_len + plan.batch_max_tokens - 1) * layers
+    per_seq += 2 * plan.batch_max_tokens * weights["embedding_parameters"]
+    return plan.batch_size * per_seq
+
+
 def remeasure_bandwidth(setting: Setting, plan: Plan) -> None:
     """Measure bandwidth again after the peers ran, keeping the best of both runs."""
     wait_until_idle([], DEFAULT_MAX_OTHERS_CORES, max_wait_s=120)
@@ -236,8 +261,10 @@ def gguf_weights(path: Path) -> dict[str, Any]:
     by_type: Counter[str] = Counter()
     for tensor in tensors:
         by_type[tensor.tensor_type.name] += int(tensor.n_bytes)
+    embedding = [t for t in tensors if t.name == "token_embd.weight"]
     return {
         "parameters": sum(int(t.n_elements) for t in tensors),
+        "embedding_parameters": int(embedding[0].n_elements) if embedding else 0,
         "gguf_bytes": sum(by_type.values()),
         "gguf_format": by_type.most_common(1)[0][0],
     }
@@ -477,7 +504,9 @@ def measure_setting(args: argparse.Namespace, plan: Plan, model: Path) -> Settin
     wait_until_idle([], DEFAULT_MAX_OTHERS_CORES, max_wait_s=300)
     bandwidth = read_bandwidth(plan.bandwidth_bytes)
     log(f"read bandwidth {bandwidth['read_bytes_per_s'] / 1e9:.1f} GB/s")
-    return Setting(machine, gguf_weights(model), bandwidth)
+    peak = matmul_peak()
+    log(f"fp32 matmul peak {peak / 1e9:.0f} GFLOP/s")
+    return Setting(machine, gguf_weights(model), bandwidth, peak)
 
 
 def benchmark(peers: list[Peer], plan: Plan, guard: Guard) -> dict[str, PeerSamples]:
@@ -523,8 +552,18 @@ def main(argv: list[str] | None = None) -> None:
     remeasure_bandwidth(setting, plan)
     summaries = summarize_all(peers, samples, plan, setting, guard.max_others_cores)
     setting.machine["load_average_at_end"] = os.getloadavg()
+    ceiling = (
+        plan.batch_size
+        * plan.batch_max_tokens
+        / (batch_flops(plan, setting.weights) / setting.matmul_flops_per_s)
+    )
     report = markdown_report(
         summaries, plan_text(plan), setting.bandwidth, setting.weights, setting.llamacpp_error
+    )
+    report += (
+        f"\n\nCompute ceiling of the batch workload: {batch_flops(plan, setting.weights) / 1e12:.2f}"
+        f" Tflop of matmuls at the fp32 matmul peak {setting.matmul_flops_per_s / 1e9:.0f} "
+        f"GFLOP/s measured in this run: at most {ceiling:.0f} output tok/s for any fp32 engine."
     )
     print("\n" + report)
     json_path, plot_path = default_outputs(args)

@@ -102,7 +102,8 @@ class ModelRunner:
                 logits += [rows] if seqs else []
         if not sampled_seqs:
             return StepResult([], None)
-        output = self.sampler(torch.cat(logits), self._sampling_metadata(sampled_seqs))
+        rows = logits[0] if len(logits) == 1 else torch.cat(logits)
+        output = self.sampler(rows, self._sampling_metadata(sampled_seqs))
         return StepResult(sampled_seqs, output)
 
     def _takes_fused(self, item: ScheduledSequence) -> bool:

@@ -245,45 +245,68 @@ static inline float dot(const float *q, const void *k, int dim, const int bf16) 
     return hsum(acc);
 }
 
-static inline void axpy(float *acc, float p, const void *v, int dim, const int bf16) {
-    __m256 pv = _mm256_set1_ps(p);
-    for (int i = 0; i < dim; i += 8)
-        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, load8(v, i, bf16), _mm256_loadu_ps(acc + i)));
+/* q . k_j for 8 keys stride bytes apart, as one vector (a transpose-and-add of 8 sums). */
+static inline __m256 dot8(const float *q, const char *k, long stride, int dim, const int bf16) {
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    for (int i = 0; i < dim; i += 8) {
+        __m256 qv = _mm256_loadu_ps(q + i);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, load8(k + j * stride, i, bf16), a[j]);
+    }
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
 /* One query head against its sequence's context in the pool: online softmax, one KV block
  * at a time (scores of a block, one rescale per block, vectorized exp). */
-static void attend(const InfireModel *m, int layer, const float *q, int kv_head,
-                   const int32_t *table, int context, float *out) {
-    int hd = m->head_dim, bs = m->block_size, bf16 = m->kv_bf16;
-    long head_off = (long)kv_head * hd * (bf16 ? 2 : 4);
+static inline __attribute__((always_inline)) void attend_impl(
+    const InfireModel *m, int layer, const float *q, int kv_head, const int32_t *table,
+    int context, float *out, const int bf16) {
+    int hd = m->head_dim, bs = m->block_size;
+    long elem = bf16 ? 2 : 4, stride = (long)m->num_kv_heads * hd * elem;
+    long head_off = (long)kv_head * hd * elem;
     float acc[MAX_HEAD_DIM] = {0};
     float scores[bs + 8];
     float max = -INFINITY, denom = 0.0f;
+    __m256 scale = _mm256_set1_ps(m->scale);
     for (int start = 0; start < context; start += bs) {
         int count = context - start < bs ? context - start : bs;
         long first = (long)table[start / bs] * bs;
+        const char *keys = (const char *)kv_slot(m, layer, 0, first) + head_off;
+        const char *values = (const char *)kv_slot(m, layer, 1, first) + head_off;
+        int j = 0;
+        for (; j + 8 <= count; j += 8)
+            _mm256_storeu_ps(scores + j, _mm256_mul_ps(dot8(q, keys + j * stride, stride, hd, bf16), scale));
+        for (; j < count; j++) scores[j] = dot(q, keys + j * stride, hd, bf16) * m->scale;
         float block_max = -INFINITY;
-        for (int j = 0; j < count; j++) {
-            const char *k = kv_slot(m, layer, 0, first + j);
-            scores[j] = dot(q, k + head_off, hd, bf16) * m->scale;
-            block_max = scores[j] > block_max ? scores[j] : block_max;
-        }
+        for (j = 0; j < count; j++) block_max = scores[j] > block_max ? scores[j] : block_max;
         if (block_max > max) {
             float correction = expf(max - block_max);
             denom *= correction;
             for (int i = 0; i < hd; i++) acc[i] *= correction;
             max = block_max;
         }
-        for (int j = 0; j < count; j += 8)
+        for (j = 0; j < count; j += 8)
             _mm256_storeu_ps(scores + j,
                              exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + j), _mm256_set1_ps(max))));
-        for (int j = 0; j < count; j++) {
+        for (j = 0; j < count; j++) {
             denom += scores[j];
-            axpy(acc, scores[j], (const char *)kv_slot(m, layer, 1, first + j) + head_off, hd, bf16);
+            __m256 p = _mm256_set1_ps(scores[j]);
+            const char *v = values + j * stride;
+            for (int i = 0; i < hd; i += 8)
+                _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(p, load8(v, i, bf16), _mm256_loadu_ps(acc + i)));
         }
     }
     for (int i = 0; i < hd; i++) out[i] = acc[i] / denom;
+}
+
+static void attend(const InfireModel *m, int layer, const float *q, int kv_head,
+                   const int32_t *table, int context, float *out) {
+    if (m->kv_bf16)
+        attend_impl(m, layer, q, kv_head, table, context, out, 1);
+    else
+        attend_impl(m, layer, q, kv_head, table, context, out, 0);
 }
 
 static void attention(const InfireModel *m, int layer, const float *qkv, int n,

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from infire.config import ModelConfig
+from infire.layers.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +151,11 @@ class CpuForward:
         # In fp32 PyTorch's GEMM beats the kernel on prefill; in bf16 (no bf16 instructions
         # on AVX2 CPUs) the kernel is ~5x faster than PyTorch, so it takes prefill too.
         self.takes_prefill = model.embed_tokens.weight.dtype == torch.bfloat16
-        self.rotary = model.rotary
+        # fp32 RoPE tables even when the model's buffers were cast to bf16
+        rope = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.cos, self.sin = rope.cos, rope.sin
         layers = model.layers
         keep: list[torch.Tensor] = []  # every tensor the struct points into
 
@@ -219,22 +224,21 @@ class CpuForward:
         Token i is at positions[i] of sequence seq_of_token[i] (whose block table is
         block_tables[seq_of_token[i]]); its earlier context is in the pool or among the tokens.
         """
-        n = len(token_ids)
+        n, num_logits = len(token_ids), len(logit_rows)
         width = max(len(t) for t in block_tables)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
-        pos = torch.tensor(positions, dtype=torch.int32)
-        cos = self.rotary.cos[pos].float()
-        sin = self.rotary.sin[pos].float()
-        ints = [torch.tensor(v, dtype=torch.int32) for v in (seq_of_token, logit_rows)]
-        longs = [torch.tensor(v, dtype=torch.int64) for v in (token_ids, slots)]
+        ints = torch.tensor(positions + seq_of_token + logit_rows, dtype=torch.int32)
+        longs = torch.tensor(token_ids + slots, dtype=torch.int64)
+        pos, seqs, rows = ints[:n], ints[n : 2 * n], ints[2 * n :]
+        cos, sin = self.cos[pos], self.sin[pos]
         need = self.lib.infire_forward_workspace(ctypes.byref(self.struct), n)
         if self._workspace.numel() < need:
             self._workspace = torch.empty(need)
-        logits = torch.empty(len(logit_rows), self.vocab)
-        args = (longs[0], pos, cos, sin, longs[1], ints[0], tables)
+        logits = torch.empty(num_logits, self.vocab)
+        args = (longs[:n], pos, cos, sin, longs[n:], seqs, tables)
         self.lib.infire_forward(
             ctypes.byref(self.struct), ctypes.c_int(n), *(_ptr(t.data_ptr()) for t in args),
-            ctypes.c_int(width), ctypes.c_int(len(logit_rows)), _ptr(ints[1].data_ptr()),
+            ctypes.c_int(width), ctypes.c_int(num_logits), _ptr(rows.data_ptr()),
             _ptr(self._workspace.data_ptr()), _ptr(logits.data_ptr()),
         )  # fmt: skip
         return logits
