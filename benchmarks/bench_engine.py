@@ -20,7 +20,7 @@ repeats a measurement they disturbed (see machine_load.py). llama.cpp runs in it
 available. Results go to benchmarks/results/engine.json, the chart to
 docs/benchmarks-engine.png, and a markdown table to stdout (for docs/benchmarks.md).
 
-    .venv/bin/python benchmarks/bench_engine.py            # full run, ~13 minutes on 2 idle cores
+    .venv/bin/python benchmarks/bench_engine.py            # full run, ~8 minutes on 2 idle cores
     .venv/bin/python benchmarks/bench_engine.py --quick    # smoke check, ~1-2 minutes
 """
 
