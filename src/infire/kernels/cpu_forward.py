@@ -91,8 +91,8 @@ def load_library() -> ctypes.CDLL | str:
 def tile_weight(weight: torch.Tensor) -> torch.Tensor:
     """[rows, cols] -> the kernel's layout [rows/4, cols/16, 4, 16], rows zero-padded to 4.
 
-    bf16 16-chunks are stored as (w0, w8, w1, w9, ...), so one shift and one mask give
-    columns 0-7 and 8-15 as fp32.
+    bf16 16-chunks are stored as (w0-3, w8-11, w4-7, w12-15), so unpacking the low and high
+    halves of each 128-bit lane under zeros gives columns 0-7 and 8-15 as fp32.
     """
     rows, cols = weight.shape
     pad = -rows % TILE_ROWS
@@ -100,7 +100,7 @@ def tile_weight(weight: torch.Tensor) -> torch.Tensor:
         weight = torch.cat([weight, weight.new_zeros(pad, cols)])
     tiles = weight.reshape(-1, TILE_ROWS, cols // TILE_COLS, TILE_COLS).transpose(1, 2)
     if weight.dtype == torch.bfloat16:
-        tiles = tiles.reshape(*tiles.shape[:-1], 2, TILE_COLS // 2).transpose(-1, -2)
+        tiles = tiles.reshape(*tiles.shape[:-1], 2, 2, 4).transpose(-2, -3)
     return tiles.contiguous()
 
 
