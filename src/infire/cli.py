@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import re
 import sys
 import time
@@ -165,6 +167,27 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from infire.server import ServerConfig, create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.no_access_log:
+        logging.getLogger("infire.access").setLevel(logging.WARNING)
+    config = ServerConfig(
+        api_key=args.api_key or os.environ.get("INFIRE_API_KEY"),
+        max_waiting=args.max_waiting,
+        max_body_bytes=args.max_body_bytes,
+        served_model_name=args.served_model_name,
+    )
+    app = create_app(_engine_config(args), config)
+    print(f"infire: serving on http://{args.host}:{args.port} (model loads in the background; "
+          "GET /health answers 200 once ready)", file=sys.stderr)  # fmt: skip
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `infire` command."""
     parser = argparse.ArgumentParser(prog="infire", description="LLM inference engine")
@@ -182,6 +205,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(chat)
     _add_sampling_args(chat, max_tokens=512)
     chat.set_defaults(func=cmd_chat)
+    serve = commands.add_parser("serve", help="OpenAI- and Workers-AI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="default: 8000")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /ai "
+                       "(default: $INFIRE_API_KEY, else no key)")  # fmt: skip
+    serve.add_argument(
+        "--served-model-name", help="model id in the API (default: file or folder name)"
+    )
+    serve.add_argument("--max-waiting", type=int, default=256,
+                       help="answer 429 while this many sequences wait (default: 256)")  # fmt: skip
+    serve.add_argument("--max-body-bytes", type=parse_size, default=parse_size("4MiB"),
+                       help="largest request body, else 413 (default: 4MiB)")  # fmt: skip
+    serve.add_argument("--no-access-log", action="store_true", help="no JSON line per request")
+    _add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

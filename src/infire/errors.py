@@ -20,11 +20,23 @@ class UnsupportedModelError(ModelLoadError):
 
 
 class InvalidRequestError(InfireError, ValueError):
-    """A request's input or sampling parameters are invalid."""
+    """A request's input or sampling parameters are invalid; `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ContextLengthError(InvalidRequestError):
     """A prompt (plus max_tokens) does not fit the model's context window."""
+
+
+class ModelNotFoundError(InvalidRequestError):
+    """A request names a model this server does not serve."""
+
+
+class ServerOverloadedError(InfireError):
+    """The waiting queue is over its limit; the client should retry later."""
 
 
 class EngineDeadError(InfireError):

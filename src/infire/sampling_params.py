@@ -91,4 +91,4 @@ class SamplingParams:
 
 def _require(ok: bool, name: str, problem: str) -> None:
     if not ok:
-        raise InvalidRequestError(f"invalid sampling parameter {name}: {problem}")
+        raise InvalidRequestError(f"invalid sampling parameter {name}: {problem}", param=name)

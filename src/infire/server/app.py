@@ -1,0 +1,198 @@
+"""The ASGI app of `infire serve`: OpenAI and Workers AI routes, health, metrics.
+
+The socket opens at once and the model loads in a background thread: `/health` answers
+503 until it is ready, and so do generation routes. Around the routes: an optional API
+key (Bearer), a request body size limit (413), a structured access log line per request
+(JSON on the `infire.access` logger, with the `x-session-affinity` header), and the error
+mapping of errors.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from infire.config import EngineConfig
+from infire.engine.async_engine import AsyncLLMEngine
+from infire.errors import InfireError
+from infire.server import openai, workers_ai
+from infire.server.errors import APIError, error_response
+from infire.server.metrics import CONTENT_TYPE, ServerMetrics
+from infire.server.serving import ClientDisconnected, Serving
+
+access_log = logging.getLogger("infire.access")
+logger = logging.getLogger("infire.server")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """HTTP-side settings of `infire serve`."""
+
+    api_key: str | None = None
+    max_waiting: int = 256  # waiting sequences beyond which new requests get 429
+    max_body_bytes: int = 4 * 1024**2
+    served_model_name: str | None = None
+
+
+class _State:
+    """The Serving once the model is loaded, or why it is not there."""
+
+    def __init__(self) -> None:
+        self.serving: Serving | None = None
+        self.error: str | None = None
+
+    def current(self) -> Serving:
+        if self.serving is not None:
+            return self.serving
+        if self.error is not None:
+            raise APIError(503, f"model failed to load: {self.error}", type="server_error")
+        raise APIError(503, "model is loading", type="server_error", code="model_loading")
+
+
+def create_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
+    """The app; the engine loads when the app starts (lifespan), in a background thread."""
+    state = _State()
+
+    def load() -> None:
+        try:
+            engine = AsyncLLMEngine.from_config(engine_config)
+            name = config.served_model_name or engine.engine.model_name
+            metrics = ServerMetrics(engine.engine, name)
+            state.serving = Serving(engine, name, config.max_waiting, metrics)
+            logger.info("ready: %s (%s)", name, engine.engine.runner.fused_status)
+        except Exception as e:  # reported on /health and every route
+            state.error = str(e)
+            logger.error("model failed to load: %s", e)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # noqa: ANN202 (FastAPI's lifespan protocol)
+        threading.Thread(target=load, name="infire-load", daemon=True).start()
+        yield
+        if state.serving is not None:
+            state.serving.engine.shutdown()
+
+    app = build_app(state.current, config, lifespan)
+    app.state.infire = state
+    return app
+
+
+def build_app(
+    current: Callable[[], Serving], config: ServerConfig, lifespan: Any = None
+) -> FastAPI:
+    """Routes, middleware and error handlers over a Serving provider."""
+    app = FastAPI(title="infire", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.include_router(openai.build_router(current))
+    app.include_router(workers_ai.build_router(current))
+
+    @app.get("/health")
+    async def health() -> Response:
+        current()  # 503 until the model is loaded
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(current().metrics.render(), media_type=CONTENT_TYPE)
+
+    expected = (InfireError, APIError, HTTPException, RequestValidationError, ValidationError)
+    for exc_type in (*expected, Exception):  # Exception: logged with its traceback, 500
+        app.add_exception_handler(exc_type, error_response)
+
+    @app.exception_handler(ClientDisconnected)
+    async def disconnected(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)
+
+    app.add_middleware(_Guard, config=config)
+    return app
+
+
+class _Guard:
+    """API key, body size limit and access log, as plain ASGI middleware."""
+
+    def __init__(self, app: ASGIApp, config: ServerConfig) -> None:
+        self.app = app
+        self.config = config
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.monotonic()
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        path = scope["path"]
+        status = [0]
+
+        async def send_logged(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            refusal = self._refusal(path, headers)
+            replay = None if refusal else await self._read_body(receive)
+            if replay is None:
+                limit = self.config.max_body_bytes
+                error = refusal or APIError(413, f"request body is larger than {limit} bytes")
+                await self._answer(scope, error, send_logged)
+                return
+            await self.app(scope, replay, send_logged)
+        finally:
+            access_log.info(json.dumps({
+                "method": scope["method"], "path": path, "status": status[0],
+                "duration_ms": round((time.monotonic() - start) * 1000, 1),
+                "client": (scope.get("client") or ("", 0))[0],
+                "session_affinity": headers.get("x-session-affinity"),
+            }))  # fmt: skip
+
+    def _refusal(self, path: str, headers: dict[str, str]) -> APIError | None:
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.config.max_body_bytes:
+            return APIError(413, f"request body is larger than {self.config.max_body_bytes} bytes")
+        key = self.config.api_key
+        protected = path.startswith(("/v1/", "/ai/"))
+        if key and protected and headers.get("authorization") != f"Bearer {key}":
+            return APIError(401, "invalid or missing API key", code="invalid_api_key")
+        return None
+
+    async def _read_body(self, receive: Receive) -> Receive | None:
+        """Read the whole body (None if over the limit); a receive that replays it."""
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                chunks.append(message)  # a disconnect: hand it on
+                break
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.config.max_body_bytes:
+                return None
+            chunks.append(body)
+            more = message.get("more_body", False)
+        buffered = [c for c in chunks if isinstance(c, bytes)]
+        pending: list[Message] = [{"type": "http.request", "body": b"".join(buffered),
+                                   "more_body": False}]  # fmt: skip
+        pending += [c for c in chunks if isinstance(c, dict)]
+
+        async def replay() -> Message:
+            return pending.pop(0) if pending else await receive()
+
+        return replay
+
+    async def _answer(self, scope: Scope, error: APIError, send: Send) -> None:
+        body = json.dumps(error.body(scope["path"].startswith("/ai/"))).encode()
+        await send({"type": "http.response.start", "status": error.status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,92 @@
+"""Prometheus metrics under `infire:` with vLLM's names.
+
+Engine state (running / waiting requests, KV cache usage, token and prefix-cache
+counters) is read from the engine at scrape time; latencies are histograms observed by
+the routes as requests stream and finish. Each app owns its registry (no global state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from infire.engine.engine import LLMEngine
+from infire.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+
+
+class _EngineCollector:
+    """Gauges and counters taken from the engine when Prometheus scrapes."""
+
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.engine = engine
+        self.labels = {"model_name": model_name}
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        engine, stats = self.engine, self.engine.stats
+        scheduler = engine.scheduler
+        names = list(self.labels)
+        values = list(self.labels.values())
+        for name, doc, value in (
+            ("infire:num_requests_running", "Sequences running (in the batch)", len(scheduler.running)),
+            ("infire:num_requests_waiting", "Sequences waiting to be scheduled", len(scheduler.waiting)),
+            ("infire:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", engine.block_manager.usage),
+        ):  # fmt: skip
+            gauge = GaugeMetricFamily(name, doc, labels=names)
+            gauge.add_metric(values, value)
+            yield gauge
+        for name, doc, value in (
+            ("infire:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", stats.prefix_cache_queries),
+            ("infire:prefix_cache_hits", "Prompt tokens found in the prefix cache", stats.prefix_cache_hits),
+            ("infire:prompt_tokens", "Prompt tokens of admitted requests", stats.num_prompt_tokens),
+            ("infire:generation_tokens", "Generated tokens", stats.num_generation_tokens),
+            ("infire:num_preemptions", "Sequences preempted", stats.num_preemptions),
+        ):  # fmt: skip
+            counter = CounterMetricFamily(name, doc, labels=names)
+            counter.add_metric(values, value)
+            yield counter
+
+
+class ServerMetrics:
+    """The registry of one server, and what routes observe into it."""
+
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine, model_name))
+        self.model_name = model_name
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(
+                name, doc, ["model_name"], registry=self.registry, buckets=_LATENCY_BUCKETS
+            ).labels(model_name)
+
+        self.ttft = histogram("infire:time_to_first_token_seconds", "Time to first token")
+        self.itl = histogram("infire:inter_token_latency_seconds", "Time between tokens")
+        self.e2e = histogram("infire:e2e_request_latency_seconds", "Request latency, end to end")
+        self.queue = histogram("infire:request_queue_time_seconds", "Time waiting before running")
+        self.success = Counter(
+            "infire:request_success", "Finished requests by finish reason",
+            ["model_name", "finished_reason"], registry=self.registry,
+        )  # fmt: skip
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        """Record a finished request's latencies and its finish reason."""
+        m = output.metrics
+        if m is None or m.finished_time is None:
+            return
+        self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue.observe(m.first_scheduled_time - m.arrival_time)
+        reason = output.outputs[0].finish_reason or "abort"
+        self.success.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)

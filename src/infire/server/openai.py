@@ -1,0 +1,192 @@
+"""OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/completions.
+
+Streaming answers are server-sent events of `chat.completion.chunk` / `text_completion`
+objects that share one id and `created`, end with `data: [DONE]`, and, when the client
+asks for `stream_options.include_usage`, carry `usage: null` until a last chunk with
+`choices: []` and the usage.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from infire.outputs import Logprob, RequestOutput
+from infire.server.errors import parse_body
+from infire.server.protocol import ChatCompletionRequest, CompletionRequest
+from infire.server.serving import Choices, Delta, Serving, finish_reason, until_finished, usage
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    """One server-sent event."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+def build_router(current: Callable[[], Serving]) -> APIRouter:
+    """The /v1 routes over one Serving."""
+    router = APIRouter(prefix="/v1")
+
+    @router.get("/models")
+    async def models() -> dict:
+        serving = current()
+        return {
+            "object": "list",
+            "data": [{
+                "id": serving.model_name, "object": "model", "created": 0,
+                "owned_by": "infire", "max_model_len": serving.engine.engine.max_model_len,
+            }],
+        }  # fmt: skip
+
+    @router.post("/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        serving = current()
+        body = await parse_body(request, ChatCompletionRequest)
+        serving.check_model(body.model)
+        body.check_supported()
+        params = body.to_sampling_params()
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompt = serving.engine.tokenizer.encode_chat(messages)
+        explicit = body.max_completion_tokens is not None or body.max_tokens is not None
+        ids = serving.prompt_ids(prompt, params, explicit)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        outputs = serving.generate(ids, params, request_id)
+        created = int(time.time())
+        head = {"id": request_id, "created": created, "model": serving.model_name}
+        k = params.logprobs
+        if body.stream:
+            return _stream(outputs, head, "chat.completion.chunk", body.include_usage, params.n,
+                           lambda d: _chat_chunk_choice(d, k))  # fmt: skip
+        final = await until_finished(request, outputs)
+        choices = [
+            {
+                "index": o.index,
+                "message": {"role": "assistant", "content": o.text},
+                "logprobs": {"content": _chat_logprobs(o.logprobs, k)} if k is not None else None,
+                "finish_reason": finish_reason(o),
+            }
+            for o in final.outputs
+        ]
+        return {**head, "object": "chat.completion", "choices": choices, "usage": usage(final)}
+
+    @router.post("/completions")
+    async def completions(request: Request) -> Any:
+        serving = current()
+        body = await parse_body(request, CompletionRequest)
+        serving.check_model(body.model)
+        params = body.to_sampling_params()
+        explicit = "max_tokens" in body.model_fields_set
+        ids = serving.prompt_ids(body.single_prompt(), params, explicit)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        outputs = serving.generate(ids, params, request_id)
+        head = {"id": request_id, "created": int(time.time()), "model": serving.model_name}
+        k = params.logprobs
+        if body.stream:
+            return _stream(outputs, head, "text_completion", body.include_usage, params.n,
+                           lambda d: _text_choice(d, k))  # fmt: skip
+        final = await until_finished(request, outputs)
+        choices = [
+            {
+                "index": o.index,
+                "text": o.text,
+                "logprobs": _text_logprobs(o.logprobs, k) if k is not None else None,
+                "finish_reason": finish_reason(o),
+            }
+            for o in final.outputs
+        ]
+        return {**head, "object": "text_completion", "choices": choices, "usage": usage(final)}
+
+    return router
+
+
+def _stream(
+    outputs: AsyncIterator[RequestOutput],
+    head: dict[str, Any],
+    kind: str,
+    include_usage: bool,
+    n: int,
+    choice: Any,
+) -> StreamingResponse:
+    async def events() -> AsyncIterator[str]:
+        tracker = Choices()
+        base = {**head, "object": kind}
+        extra = {"usage": None} if include_usage else {}
+        if kind == "chat.completion.chunk":
+            # The first chunk of each choice carries the role, as OpenAI's does.
+            roles = [{"index": i, "delta": {"role": "assistant", "content": ""},
+                      "logprobs": None, "finish_reason": None} for i in range(n)]  # fmt: skip
+            yield sse({**base, "choices": roles, **extra})
+        final = None
+        async for output in outputs:
+            final = output
+            deltas = tracker.deltas(output)
+            if deltas:
+                yield sse({**base, "choices": [choice(d) for d in deltas], **extra})
+        if include_usage and final is not None:
+            yield sse({**base, "choices": [], "usage": usage(final)})
+        yield sse("[DONE]")
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _chat_chunk_choice(delta: Delta, k: int | None) -> dict[str, Any]:
+    logprobs = {"content": _chat_logprobs(delta.logprobs, k)} if k is not None else None
+    return {
+        "index": delta.index,
+        "delta": {"content": delta.text} if delta.text or not delta.finish_reason else {},
+        "logprobs": logprobs,
+        "finish_reason": delta.finish_reason,
+    }
+
+
+def _text_choice(delta: Delta, k: int | None) -> dict[str, Any]:
+    return {
+        "index": delta.index,
+        "text": delta.text,
+        "logprobs": _text_logprobs(delta.logprobs, k) if k is not None else None,
+        "finish_reason": delta.finish_reason,
+    }
+
+
+def _top(step: dict[int, Logprob], k: int) -> list[Logprob]:
+    """The k most likely tokens of a step (the sampled one, first in the dict, if among them)."""
+    return sorted((e for e in step.values() if e.rank <= k), key=lambda e: e.rank)
+
+
+def _chat_logprobs(steps: list[dict[int, Logprob]] | None, k: int) -> list[dict]:
+    """Chat logprobs: per token its text, logprob, UTF-8 bytes and top alternatives."""
+
+    def entry(e: Logprob) -> dict:
+        return {
+            "token": e.decoded_token,
+            "logprob": e.logprob,
+            "bytes": list(e.decoded_token.encode()),
+        }
+
+    return [
+        {**entry(next(iter(step.values()))), "top_logprobs": [entry(e) for e in _top(step, k)]}
+        for step in steps or []
+    ]
+
+
+def _text_logprobs(steps: list[dict[int, Logprob]] | None, k: int) -> dict:
+    """Legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    offset = 0
+    for step in steps or []:
+        sampled = next(iter(step.values()))
+        tokens.append(sampled.decoded_token)
+        token_logprobs.append(sampled.logprob)
+        tops.append({e.decoded_token: e.logprob for e in _top(step, k)})
+        offsets.append(offset)
+        offset += len(sampled.decoded_token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+            "text_offset": offsets}  # fmt: skip
