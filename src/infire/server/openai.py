@@ -17,7 +17,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from infire.outputs import Logprob, RequestOutput
+from infire.outputs import CompletionOutput, Logprob, RequestOutput
+from infire.sampling_params import SamplingParams
 from infire.server.errors import parse_body
 from infire.server.protocol import ChatCompletionRequest, CompletionRequest
 from infire.server.serving import Choices, Delta, Serving, finish_reason, until_finished, usage
@@ -57,25 +58,17 @@ def build_router(current: Callable[[], Serving]) -> APIRouter:
         prompt = serving.engine.tokenizer.encode_chat(messages)
         explicit = body.max_completion_tokens is not None or body.max_tokens is not None
         ids = serving.prompt_ids(prompt, params, explicit)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = serving.generate(ids, params, request_id)
-        created = int(time.time())
-        head = {"id": request_id, "created": created, "model": serving.model_name}
         k = params.logprobs
-        if body.stream:
-            return _stream(outputs, head, "chat.completion.chunk", body.include_usage, params.n,
-                           lambda d: _chat_chunk_choice(d, k))  # fmt: skip
-        final = await until_finished(request, outputs)
-        choices = [
-            {
+        return await _answer(
+            request, serving, ids, params, "chatcmpl", "chat.completion", body.stream,
+            body.include_usage, lambda d: _chat_chunk_choice(d, k),
+            lambda o: {
                 "index": o.index,
                 "message": {"role": "assistant", "content": o.text},
                 "logprobs": {"content": _chat_logprobs(o.logprobs, k)} if k is not None else None,
                 "finish_reason": finish_reason(o),
-            }
-            for o in final.outputs
-        ]
-        return {**head, "object": "chat.completion", "choices": choices, "usage": usage(final)}
+            },
+        )  # fmt: skip
 
     @router.post("/completions")
     async def completions(request: Request) -> Any:
@@ -85,26 +78,43 @@ def build_router(current: Callable[[], Serving]) -> APIRouter:
         params = body.to_sampling_params()
         explicit = "max_tokens" in body.model_fields_set
         ids = serving.prompt_ids(body.single_prompt(), params, explicit)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        outputs = serving.generate(ids, params, request_id)
-        head = {"id": request_id, "created": int(time.time()), "model": serving.model_name}
         k = params.logprobs
-        if body.stream:
-            return _stream(outputs, head, "text_completion", body.include_usage, params.n,
-                           lambda d: _text_choice(d, k))  # fmt: skip
-        final = await until_finished(request, outputs)
-        choices = [
-            {
+        return await _answer(
+            request, serving, ids, params, "cmpl", "text_completion", body.stream,
+            body.include_usage, lambda d: _text_choice(d, k),
+            lambda o: {
                 "index": o.index,
                 "text": o.text,
                 "logprobs": _text_logprobs(o.logprobs, k) if k is not None else None,
                 "finish_reason": finish_reason(o),
-            }
-            for o in final.outputs
-        ]
-        return {**head, "object": "text_completion", "choices": choices, "usage": usage(final)}
+            },
+        )  # fmt: skip
 
     return router
+
+
+async def _answer(
+    request: Request,
+    serving: Serving,
+    ids: list[int],
+    params: SamplingParams,
+    id_prefix: str,
+    kind: str,
+    stream: bool,
+    include_usage: bool,
+    chunk_choice: Callable[[Delta], dict[str, Any]],
+    full_choice: Callable[[CompletionOutput], dict[str, Any]],
+) -> Any:
+    """Run the request; an SSE stream of `kind` chunks, or the whole `kind` object."""
+    request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    outputs = serving.generate(ids, params, request_id)
+    head = {"id": request_id, "created": int(time.time()), "model": serving.model_name}
+    if stream:
+        chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
+        return _stream(outputs, head, chunk_kind, include_usage, params.n, chunk_choice)
+    final = await until_finished(request, outputs)
+    choices = [full_choice(o) for o in final.outputs]
+    return {**head, "object": kind, "choices": choices, "usage": usage(final)}
 
 
 def _stream(
