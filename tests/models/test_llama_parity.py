@@ -17,6 +17,7 @@ from infire.models.loader import load_model
 from infire.outputs import RequestMetrics
 from infire.sampling_params import SamplingParams
 from infire.tokenizer import IncrementalDetokenizer
+from tiny_models import write_tiny_model
 
 DECODE_STEPS = 16
 
@@ -71,8 +72,6 @@ def test_prefill_and_decode_logits_match_transformers(fixture: str, request: pyt
 
 
 def test_llama3_rope_scaling_matches_transformers(tmp_path: Path):
-    from conftest import write_tiny_model
-
     scaling = {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
