@@ -1,9 +1,10 @@
-"""The `infire` command line: generate and chat today; serve, compress, bench as they land."""
+"""The `infire` command line: generate, chat, serve, bench serve."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import re
 import sys
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 
 from infire.config import CacheConfig, EngineConfig, SchedulerConfig
 from infire.engine.engine import LLMEngine
-from infire.errors import InfireError
+from infire.errors import InfireError, InvalidRequestError
 from infire.sampling_params import SamplingParams
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?)?\s*$", re.IGNORECASE)
@@ -188,6 +189,146 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    """Load-test an OpenAI-compatible server, or plot saved results side by side."""
+    import json
+    from pathlib import Path
+
+    from infire.bench import plot
+    from infire.bench import serve as bench
+
+    if args.compare:
+        results = []
+        for name in args.compare:
+            try:
+                results.append(json.loads(Path(name).read_text()))
+            except (OSError, ValueError) as e:
+                raise InvalidRequestError(f"{name}: not a bench result file: {e}") from None
+        out = plot.plot_compare(results, Path(args.output or "bench-serve-compare.png"))
+        print(f"infire: wrote {out}", file=sys.stderr)
+        return 0
+    goodput = bench.parse_goodput(args.goodput or [])
+    model = args.model or _served_model(args.base_url, args.api_key)
+    total = args.num_prompts + args.num_warmups
+    if args.dataset == "random":
+        from infire.models.loader import load_tokenizer
+
+        prompts = bench.random_prompts(
+            load_tokenizer(args.tokenizer), total, args.input_len, args.seed
+        )
+    else:
+        prompts = bench.file_prompts(Path(args.dataset), total)
+    config = bench.BenchConfig(
+        base_url=args.base_url, model=model, prompts=prompts[args.num_warmups :],
+        warmup_prompts=prompts[: args.num_warmups], output_len=args.output_len,
+        endpoint=args.endpoint, request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency, ignore_eos=not args.no_ignore_eos,
+        temperature=args.temperature, api_key=args.api_key, goodput=goodput,
+        label=args.label or model, seed=args.seed,
+    )  # fmt: skip
+    result = bench.run(config)
+    print(bench.report(result))
+    load = f"c{args.max_concurrency}" if args.max_concurrency else f"r{args.request_rate:g}"
+    name = re.sub(r"[^\w.-]+", "_", config.label)
+    out = Path(args.output or f"bench-serve-{name}-{load}.json")
+    out.write_text(json.dumps(result, indent=1))
+    print(f"infire: wrote {out}", file=sys.stderr)
+    if not args.no_plot:
+        print(f"infire: wrote {plot.plot_run(result, out.with_suffix('.png'))}", file=sys.stderr)
+    return 0 if result["summary"]["completed"] else 1
+
+
+def _served_model(base_url: str, api_key: str | None) -> str:
+    """The first model id the server lists."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(base_url.rstrip("/") + "/models", headers=headers, timeout=30)
+    except httpx.HTTPError as e:
+        raise InvalidRequestError(f"cannot reach {base_url}: {e}") from None
+    try:
+        return response.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise InvalidRequestError(
+            f"GET {base_url}/models answered {response.status_code} without a model "
+            f"({response.text[:200]!r}); name one with --model"
+        ) from None
+
+
+def _add_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000/v1",
+        help="the server's OpenAI base URL (default: http://127.0.0.1:8000/v1)",
+    )
+    parser.add_argument("--model", help="model id to request (default: the first in /models)")
+    parser.add_argument(
+        "--endpoint",
+        choices=("completions", "chat"),
+        default="completions",
+        help="/completions or /chat/completions (default: completions)",
+    )
+    parser.add_argument(
+        "--dataset",
+        default="random",
+        help="'random' (random words, --input-len tokens) or a prompt file: "
+        'one prompt a line, or .jsonl with a "prompt" field',
+    )
+    parser.add_argument(
+        "--tokenizer",
+        help="model folder or GGUF whose vocabulary random "
+        "prompts use (default: the default model)",
+    )
+    parser.add_argument("--input-len", type=int, default=128, help="default: 128")
+    parser.add_argument(
+        "--output-len", type=int, default=128, help="max_tokens of each request (default: 128)"
+    )
+    parser.add_argument("--num-prompts", type=int, default=64, help="default: 64")
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrivals per second (default: inf, all at once)",
+    )
+    parser.add_argument(
+        "--max-concurrency", type=int, help="most requests in flight (default: unlimited)"
+    )
+    parser.add_argument(
+        "--num-warmups",
+        type=int,
+        default=1,
+        help="requests sent first and not counted (default: 1)",
+    )
+    parser.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="let requests stop at EOS (default: ignore_eos, exact lengths)",
+    )
+    parser.add_argument("--temperature", type=float, default=0.0, help="default: 0 (greedy)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="Bearer token (default: $OPENAI_API_KEY)",
+    )
+    parser.add_argument(
+        "--goodput",
+        nargs="+",
+        metavar="METRIC:MS",
+        help="SLOs for goodput, e.g. ttft:500 tpot:50 (ttft, tpot, e2el)",
+    )
+    parser.add_argument("--label", help="name of this run in reports (default: the model id)")
+    parser.add_argument("--seed", type=int, default=0, help="prompts and arrivals (default: 0)")
+    parser.add_argument(
+        "--output",
+        help="result JSON (a PNG beside it); with --compare the "
+        "PNG (default: bench-serve-LABEL-LOAD.json / bench-serve-compare.png)",
+    )
+    parser.add_argument("--no-plot", action="store_true", help="no PNG")
+    parser.add_argument("--compare", nargs="+", metavar="RESULT.json",
+                        help="plot saved results side by side instead of running")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `infire` command."""
     parser = argparse.ArgumentParser(prog="infire", description="LLM inference engine")
@@ -220,6 +361,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-access-log", action="store_true", help="no JSON line per request")
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(
+        dest="bench_command", required=True
+    )
+    bench_serve = bench.add_parser(
+        "serve", help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, E2E, goodput)"
+    )
+    _add_bench_args(bench_serve)
+    bench_serve.set_defaults(func=cmd_bench_serve)
     return parser
 
 

@@ -95,6 +95,14 @@ def load_gguf(
     return config, weights, tokenizer
 
 
+def load_gguf_tokenizer(path: Path) -> Tokenizer:
+    """The tokenizer and chat template of a GGUF file, without reading its weights."""
+    path = Path(path)
+    _, metadata = _open(path)
+    eos = metadata.get("tokenizer.ggml.eos_token_id")
+    return _load_tokenizer(metadata, () if eos is None else (int(eos),), path)
+
+
 def _open(path: Path) -> tuple[GGUFReader, dict[str, Any]]:
     if not path.is_file():
         raise ModelLoadError(f"{path}: no such GGUF file")

@@ -68,6 +68,21 @@ def load_model(model: str | Path | None, dtype: torch.dtype) -> LoadedModel:
     return LoadedModel(config, weights, tokenizer, name=path.stem if path.is_file() else path.name)
 
 
+def load_tokenizer(model: str | Path | None) -> Tokenizer:
+    """Only the tokenizer of a model folder or GGUF file (or of the default model)."""
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {str(path)!r} does not exist")
+    if path.is_dir():
+        raw = _read_json(path / "config.json", required=False)
+        return Tokenizer.from_hf_folder(path, eos_token_ids=_eos_ids(raw.get("eos_token_id")))
+    if _is_gguf(path):
+        from infire.models.gguf import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path)
+    raise ModelLoadError(f"{path}: not a model folder or GGUF file")
+
+
 def _is_gguf(path: Path) -> bool:
     try:
         with path.open("rb") as f:

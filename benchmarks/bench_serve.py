@@ -1,0 +1,162 @@
+"""Serving benchmark: `infire serve` against llama.cpp's server (llama-cpp-python) and
+`transformers serve`, on the default model, with the same prompts and load, in one run.
+
+Each server runs alone (started, measured at every concurrency, stopped), on 2 threads.
+The load is `infire bench serve`'s (infire.bench.serve): streamed /v1/completions with
+random prompts of --input-len tokens and max_tokens --output-len (ignore_eos where the
+server knows it; output tokens are counted from usage or streamed chunks either way),
+--max-concurrency 1, 4, 16 after one warm-up request. Results: JSON per run in
+benchmarks/results/, docs/benchmarks-serve.png, and a markdown table with the ratios.
+
+    .venv/bin/python benchmarks/bench_serve.py [--servers infire llama.cpp transformers]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from machine_load import wait_until_idle
+
+from infire.bench import plot
+from infire.bench import serve as bench
+from infire.models.loader import default_model_path, load_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+PEER_PYTHON = ROOT / ".bench-venv" / "bin" / "python"
+VENV_BIN = ROOT / ".venv" / "bin"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(name: str, gguf: Path, port: int) -> list[str]:
+    """How each server is started on the default model's GGUF."""
+    if name == "infire":
+        return [str(VENV_BIN / "infire"), "serve", "--port", str(port), "--no-access-log"]
+    if name == "llama.cpp":
+        return [str(PEER_PYTHON), "-m", "llama_cpp.server", "--model", str(gguf),
+                "--n_threads", "2", "--n_threads_batch", "2", "--n_ctx", "4096",
+                "--model_alias", "smollm2", "--port", str(port)]  # fmt: skip
+    if name == "transformers":
+        return [str(VENV_BIN / "transformers"), "serve", f"{gguf.parent}:{gguf.name}",
+                "--port", str(port), "--dtype", "bfloat16", "--device", "cpu",
+                "--continuous-batching"]  # fmt: skip
+    raise SystemExit(f"unknown server {name!r}")
+
+
+class Running:
+    """A server subprocess, ready when /v1/models answers."""
+
+    def __init__(self, name: str, gguf: Path, log: Path) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        env = {**os.environ, "OMP_NUM_THREADS": "2"}
+        with log.open("w") as out:
+            self.process = subprocess.Popen(server_command(name, gguf, self.port), stdout=out,
+                                            stderr=subprocess.STDOUT, env=env)  # fmt: skip
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{name} server exited; see {log}")
+            try:
+                response = httpx.get(f"{self.base_url}/models", timeout=5)
+                if response.status_code == 200 and response.json().get("data"):
+                    self.model = response.json()["data"][0]["id"]
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"{name} server not ready in 600 s; see {log}")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--servers", nargs="+", default=["infire", "llama.cpp", "transformers"])
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="requests per concurrency = rounds x concurrency, at least 8")  # fmt: skip
+    args = parser.parse_args()
+    gguf = default_model_path()
+    tokenizer = load_tokenizer(gguf)
+    RESULTS.mkdir(exist_ok=True)
+    files = []
+    for name in args.servers:
+        if name == "llama.cpp" and not PEER_PYTHON.exists():
+            print("llama.cpp: .bench-venv missing (see docs/benchmarks.md); skipped")
+            continue
+        print(f"starting {name} ...", flush=True)
+        server = Running(name, gguf, RESULTS / f"serve-{name}.log")
+        try:
+            for concurrency in args.concurrency:
+                num = max(8, args.rounds * concurrency)
+                prompts = bench.random_prompts(tokenizer, num + 1, args.input_len, seed=concurrency)
+                waited = wait_until_idle([server.process.pid], 0.15, 120)
+                config = bench.BenchConfig(
+                    base_url=server.base_url, model=server.model, prompts=prompts[1:],
+                    warmup_prompts=prompts[:1], output_len=args.output_len,
+                    max_concurrency=concurrency, label=name,
+                )  # fmt: skip
+                result = bench.run(config)
+                result["settings"]["idle_wait_s"] = waited
+                print(bench.report(result), flush=True)
+                path = RESULTS / f"serve-{name}-c{concurrency}.json"
+                path.write_text(json.dumps(result, indent=1))
+                files.append(path)
+        finally:
+            server.stop()
+    results = [json.loads(p.read_text()) for p in files]
+    png = plot.plot_compare(results, ROOT / "docs" / "benchmarks-serve.png")
+    print(f"wrote {png}")
+    print(table(results))
+
+
+def table(results: list[dict]) -> str:
+    """Markdown rows: one per server and concurrency, with infire's ratios."""
+    by = {(r["settings"]["label"], r["settings"]["max_concurrency"]): r["summary"] for r in results}
+    lines = ["| server | concurrency | requests | output tok/s | mean output tokens | "
+             "p50 TTFT ms | p90 TTFT ms | p50 TPOT ms | p90 TPOT ms | p90 E2E ms |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]  # fmt: skip
+    for (label, c), s in sorted(by.items(), key=lambda item: (item[0][1], item[0][0])):
+        mean_out = s["total_output_tokens"] / max(1, s["completed"])
+        lines.append(
+            f"| {label} | {c} | {s['completed']}/{s['completed'] + s['failed']} | "
+            f"{s['output_throughput']:.1f} | {mean_out:.0f} | {s['p50_ttft_ms']:.0f} | "
+            f"{s['p90_ttft_ms']:.0f} | {s['p50_tpot_ms']:.1f} | {s['p90_tpot_ms']:.1f} | "
+            f"{s['p90_e2el_ms']:.0f} |"
+        )
+    for (label, c), s in sorted(by.items()):
+        ours = by.get(("infire", c))
+        if label == "infire" or ours is None:
+            continue
+        lines.append(
+            f"\ninfire / {label} at concurrency {c}: output tok/s "
+            f"{ours['output_throughput'] / s['output_throughput']:.2f}x, p90 TPOT "
+            f"{ours['p90_tpot_ms'] / s['p90_tpot_ms']:.2f}x (lower is better)"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Benchmark tools shipped with infire: `infire bench serve` (serve.py, plot.py)."""
