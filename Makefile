@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve chat test lint format bench
+.PHONY: install serve chat test lint format bench bench-serve
 
 install: $(STAMP)
 
@@ -38,3 +38,6 @@ format: install
 
 bench: install
 	$(BIN)/python benchmarks/bench_engine.py
+
+bench-serve: install
+	$(BIN)/python benchmarks/bench_serve.py

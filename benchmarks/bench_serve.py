@@ -1,7 +1,7 @@
 """Serving benchmark: `infire serve` against llama.cpp's server (llama-cpp-python) and
 `transformers serve`, on the default model, with the same prompts and load, in one run.
 
-Each server runs alone (started, measured at every concurrency, stopped), on 2 threads.
+Each server runs alone (started, measured at every concurrency, stopped) on the 2 cores.
 The load is `infire bench serve`'s (infire.bench.serve): streamed /v1/completions with
 random prompts of --input-len tokens and max_tokens --output-len (ignore_eos where the
 server knows it; output tokens are counted from usage or streamed chunks either way),
@@ -46,14 +46,59 @@ def server_command(name: str, gguf: Path, port: int) -> list[str]:
     if name == "infire":
         return [str(VENV_BIN / "infire"), "serve", "--port", str(port), "--no-access-log"]
     if name == "llama.cpp":
+        # One decode thread: with two, its server's Python threads and the load generator
+        # fight llama.cpp's spinning workers for the 2 cores (27 vs 19 ms per token here).
         return [str(PEER_PYTHON), "-m", "llama_cpp.server", "--model", str(gguf),
-                "--n_threads", "2", "--n_threads_batch", "2", "--n_ctx", "4096",
-                "--model_alias", "smollm2", "--port", str(port)]  # fmt: skip
-    if name == "transformers":
-        return [str(VENV_BIN / "transformers"), "serve", f"{gguf.parent}:{gguf.name}",
+                "--n_threads", "1", "--n_threads_batch", "2", "--n_ctx", "4096",
+                "--model_alias", "smollm2", "--interrupt_requests", "False",
+                "--port", str(port)]  # fmt: skip
+    if name == "transformers":  # its GGUF loading leaves config.architectures unset: a folder
+        return [str(VENV_BIN / "transformers"), "serve", str(hf_folder(gguf)),
                 "--port", str(port), "--dtype", "bfloat16", "--device", "cpu",
                 "--continuous-batching"]  # fmt: skip
     raise SystemExit(f"unknown server {name!r}")
+
+
+def hf_folder(gguf: Path) -> Path:
+    """The GGUF as a Hugging Face folder (bf16 safetensors, config, tokenizer), written once.
+
+    transformers' own GGUF loading keeps the weights quantized and will not save them, so
+    the folder is written from infire's loader (the same dequantized, HF-named weights).
+    """
+    folder = RESULTS / "smollm2-hf"
+    if (folder / "model.safetensors").exists():
+        return folder
+    import torch
+    from safetensors.torch import save_file
+
+    from infire.models.loader import load_model
+
+    loaded = load_model(gguf, torch.bfloat16)
+    c = loaded.config
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+        "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta, "tie_word_embeddings": c.tie_word_embeddings,
+        "bos_token_id": c.bos_token_id, "eos_token_id": list(c.eos_token_ids),
+        "torch_dtype": "bfloat16", "hidden_act": "silu",
+    }  # fmt: skip
+    folder.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.contiguous() for k, v in loaded.weights.items()}
+    if c.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    tokenizer = loaded.tokenizer
+    tokenizer.backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": tokenizer.chat_template, "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token, "tokenizer_class": "PreTrainedTokenizerFast",
+    }))  # fmt: skip
+    return folder
 
 
 class Running:
@@ -100,6 +145,8 @@ def main() -> None:
     args = parser.parse_args()
     gguf = default_model_path()
     tokenizer = load_tokenizer(gguf)
+    # The same lengths from every server: ignore_eos where known, EOS banned where not.
+    banned = {str(i): -100 for i in {*tokenizer.eos_token_ids, 0}}
     RESULTS.mkdir(exist_ok=True)
     files = []
     for name in args.servers:
@@ -116,7 +163,9 @@ def main() -> None:
                 config = bench.BenchConfig(
                     base_url=server.base_url, model=server.model, prompts=prompts[1:],
                     warmup_prompts=prompts[:1], output_len=args.output_len,
-                    max_concurrency=concurrency, label=name,
+                    max_concurrency=concurrency, label=name, extra_body={"logit_bias": banned},
+                    ignore_eos=name != "transformers",  # it refuses fields it does not know
+                    prompt_tokens=[len(tokenizer.encode(p)) for p in prompts[1:]],
                 )  # fmt: skip
                 result = bench.run(config)
                 result["settings"]["idle_wait_s"] = waited

@@ -213,14 +213,15 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.dataset == "random":
         from infire.models.loader import load_tokenizer
 
-        prompts = bench.random_prompts(
-            load_tokenizer(args.tokenizer), total, args.input_len, args.seed
-        )
+        tokenizer = load_tokenizer(args.tokenizer)
+        prompts = bench.random_prompts(tokenizer, total, args.input_len, args.seed)
+        counts = [len(tokenizer.encode(p)) for p in prompts[args.num_warmups :]]
     else:
-        prompts = bench.file_prompts(Path(args.dataset), total)
+        prompts, counts = bench.file_prompts(Path(args.dataset), total), []
     config = bench.BenchConfig(
         base_url=args.base_url, model=model, prompts=prompts[args.num_warmups :],
-        warmup_prompts=prompts[: args.num_warmups], output_len=args.output_len,
+        warmup_prompts=prompts[: args.num_warmups], prompt_tokens=counts,
+        output_len=args.output_len,
         endpoint=args.endpoint, request_rate=args.request_rate,
         max_concurrency=args.max_concurrency, ignore_eos=not args.no_ignore_eos,
         temperature=args.temperature, api_key=args.api_key, goodput=goodput,

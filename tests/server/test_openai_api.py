@@ -7,6 +7,8 @@ greedy or seeded): the server must add nothing and lose nothing.
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from pathlib import Path
 
 import httpx
@@ -253,3 +255,37 @@ def test_50_concurrent_streams_complete_exactly(tiny_server: Server, reference: 
     assert statuses == [400] * 5
     assert [count for _, count in results] == lengths
     assert [text for text, _ in results] == expected
+
+
+def test_penalties_and_extras_reach_the_sampler(client: openai.OpenAI, reference: LLM):
+    params = SamplingParams(temperature=0.9, seed=11, max_tokens=12, top_k=20, min_p=0.02,
+                            presence_penalty=0.8, frequency_penalty=0.5, repetition_penalty=1.3,
+                            ignore_eos=True)  # fmt: skip
+    expected = reference.generate("a b a b a b", params)[0].outputs[0].text
+    answer = client.completions.create(
+        model=TINY_NAME, prompt="a b a b a b", temperature=0.9, seed=11, max_tokens=12,
+        presence_penalty=0.8, frequency_penalty=0.5, user="someone",
+        extra_body={"top_k": 20, "min_p": 0.02, "repetition_penalty": 1.3, "ignore_eos": True},
+    )  # fmt: skip
+    assert answer.choices[0].text == expected
+    plain = reference.generate("a b a b a b", SamplingParams(temperature=0.9, seed=11,
+                                                              max_tokens=12, ignore_eos=True))  # fmt: skip
+    assert plain[0].outputs[0].text != expected  # the penalties changed the tokens
+
+
+def test_access_log_carries_the_session_affinity(tiny_server: Server):
+    response = httpx.get(f"{tiny_server.base_url}/models", headers={"x-session-affinity": "s-42"})
+    assert response.status_code == 200
+    deadline = time.monotonic() + 5  # the line is written once the response has gone out
+    while time.monotonic() < deadline:
+        lines = [json.loads(line.split("infire.access ", 1)[1])
+                 for line in tiny_server.log.read_text().splitlines()
+                 if "infire.access" in line]  # fmt: skip
+        tagged = [line for line in lines if line["session_affinity"] == "s-42"]
+        if tagged:
+            break
+        time.sleep(0.05)
+    [line] = tagged
+    assert {"method": "GET", "path": "/v1/models", "status": 200,
+            "client": "127.0.0.1"}.items() <= line.items()  # fmt: skip
+    assert line["duration_ms"] >= 0

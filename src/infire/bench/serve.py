@@ -44,6 +44,8 @@ class BenchConfig:
     prompts: list[str]
     output_len: int
     warmup_prompts: list[str] = field(default_factory=list)  # distinct: no prefix-cache help
+    prompt_tokens: list[int] = field(default_factory=list)  # local counts, where no usage
+    extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request
     endpoint: str = "completions"  # or "chat"
     request_rate: float = math.inf
     max_concurrency: int | None = None
@@ -143,6 +145,7 @@ def _body(config: BenchConfig, prompt: str) -> dict[str, Any]:
     }
     if config.ignore_eos:
         body["ignore_eos"] = True
+    body.update(config.extra_body)
     if config.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -224,11 +227,13 @@ async def _run(config: BenchConfig, progress: bool) -> tuple[list[RequestResult]
         rng = random.Random(config.seed)
         began = time.perf_counter()
 
-        async def one(prompt: str) -> RequestResult:
+        async def one(i: int, prompt: str) -> RequestResult:
             async with semaphore:
                 sent = time.perf_counter() - began
                 result = await send(client, config, prompt)
             result.start = sent
+            if result.success and not result.prompt_tokens and config.prompt_tokens:
+                result.prompt_tokens = config.prompt_tokens[i]  # the server sent no usage
             bar.update(1)
             return result
 
@@ -236,7 +241,7 @@ async def _run(config: BenchConfig, progress: bool) -> tuple[list[RequestResult]
         for i, prompt in enumerate(config.prompts):
             if i and math.isfinite(config.request_rate):
                 await asyncio.sleep(rng.expovariate(config.request_rate))
-            tasks.append(asyncio.ensure_future(one(prompt)))
+            tasks.append(asyncio.ensure_future(one(i, prompt)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - began
         bar.close()
@@ -280,6 +285,7 @@ def summarize(config: BenchConfig, results: list[RequestResult], duration: float
         summary["goodput"] = good / duration
     settings = asdict(config)
     settings.pop("prompts")
+    settings["prompt_tokens"] = "server usage, else the local tokenizer's count"
     settings["num_warmups"] = len(settings.pop("warmup_prompts"))
     settings["api_key"] = bool(config.api_key)
     settings["num_prompts"] = len(results)
