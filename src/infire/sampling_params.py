@@ -33,6 +33,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives per token; 0: only the sampled one
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, [-100, 100]
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +69,12 @@ class SamplingParams:
             "max_tokens",
             f"must be at least 1, got {self.max_tokens}",
         )
+        for token, bias in (self.logit_bias or {}).items():
+            _require(
+                isinstance(token, int) and token >= 0 and -100 <= bias <= 100,
+                "logit_bias",
+                f"needs token ids >= 0 and biases in [-100, 100], got {token!r}: {bias!r}",
+            )
         _require(
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
             "logprobs",

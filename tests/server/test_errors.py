@@ -187,3 +187,9 @@ def test_non_streaming_disconnect_aborts(guarded_server: Server):
         5,
     )
     assert elapsed < 1.0
+
+
+@pytest.mark.parametrize("bias", [{"x": 1}, {"5": 300}, {"999999": 1}], ids=["key", "value", "id"])
+def test_bad_logit_bias(tiny_server: Server, bias: dict):
+    body = {**CHAT, "logit_bias": bias}
+    assert_openai_error(post(tiny_server, "/chat/completions", json=body), 400, "logit_bias")

@@ -289,3 +289,12 @@ def test_access_log_carries_the_session_affinity(tiny_server: Server):
     assert {"method": "GET", "path": "/v1/models", "status": 200,
             "client": "127.0.0.1"}.items() <= line.items()  # fmt: skip
     assert line["duration_ms"] >= 0
+
+
+def test_logit_bias_over_http(client: openai.OpenAI, reference: LLM):
+    expected = reference.generate(
+        "the cat", SamplingParams(temperature=0, max_tokens=4, logit_bias={66: 100})
+    )[0]
+    answer = client.completions.create(model=TINY_NAME, prompt="the cat", temperature=0,
+                                       max_tokens=4, logit_bias={"66": 100})  # fmt: skip
+    assert answer.choices[0].text == expected.outputs[0].text == "c" * 4

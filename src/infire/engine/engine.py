@@ -94,6 +94,14 @@ class LLMEngine:
             )
         return ids
 
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids against this model's vocabulary."""
+        vocab = self.model_config.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or {}),
+                          ("stop_token_ids", params.stop_token_ids)):  # fmt: skip
+            if any(not 0 <= t < vocab for t in ids):
+                raise InvalidRequestError(f"{name} token ids must be in [0, {vocab})", param=name)
+
     def add_request(
         self,
         request_id: str,
@@ -105,6 +113,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
+        self.check_params(params)
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize_prompt(prompt)
         metrics = RequestMetrics(arrival_time=time.monotonic())
         seqs = [self._new_sequence(request_id, i, ids, params, metrics) for i in range(params.n)]

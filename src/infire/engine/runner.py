@@ -231,6 +231,11 @@ class ModelRunner:
             self._penalty_metadata(meta, seqs)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         meta.max_num_logprobs = max(wanted) if wanted else None
+        if any(p.logit_bias for p in params):
+            meta.logit_bias = torch.zeros(len(params), self.config.vocab_size, device=dev)
+            for row, p in enumerate(params):
+                for token, bias in (p.logit_bias or {}).items():
+                    meta.logit_bias[row, token] = bias
         return meta
 
     def _penalty_metadata(self, meta: SamplingMetadata, seqs: list[Sequence]) -> None:

@@ -1,4 +1,4 @@
-"""Batched sampling: penalties, temperature, top-k / top-p / min-p, seeds and logprobs.
+"""Batched sampling: penalties, logit bias, temperature, top-k / top-p / min-p, seeds and logprobs.
 
 One call samples a token for every row of a [N, vocab] logits matrix, with each row's own
 parameters. Sampling uses the exponential-race form (argmax of p / E, E ~ Exp(1)), which
@@ -29,6 +29,7 @@ class SamplingMetadata:
     seen_mask: torch.Tensor | None = None  # [N, V] bool: in prompt or output (repetition)
     output_counts: torch.Tensor | None = None  # [N, V] float: counts in output (freq/presence)
     max_num_logprobs: int | None = None  # largest top-k asked for; None = no row wants logprobs
+    logit_bias: torch.Tensor | None = None  # [N, V] added to the logits; None when no row has one
 
 
 @dataclass(slots=True)
@@ -53,6 +54,8 @@ class Sampler:
             torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
         )
         logits = _apply_penalties(logits, meta)
+        if meta.logit_bias is not None:
+            logits = logits + meta.logit_bias
         greedy = logits.argmax(dim=-1)
         tokens = greedy if meta.all_greedy else self._sample(logits, meta, greedy)
         out = SamplerOutput(token_ids=tokens.tolist())

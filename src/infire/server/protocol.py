@@ -66,6 +66,7 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams (which validates the ranges)."""
@@ -84,7 +85,19 @@ class _Sampling(BaseModel):
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            logit_bias=self._logit_bias(),
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's {"token id": bias} with string keys, as ints."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            raise InvalidRequestError(
+                "logit_bias keys must be token ids (integers as strings)", param="logit_bias"
+            ) from None
 
     @property
     def include_usage(self) -> bool:

@@ -61,8 +61,10 @@ class Serving:
     def prompt_ids(
         self, prompt: str | list[int], params: SamplingParams, explicit_max: bool
     ) -> list[int]:
-        """Tokenize and check a prompt (and an explicit max_tokens) against the context."""
+        """Tokenize and check a prompt (and an explicit max_tokens) against the context, and
+        the parameters' token ids against the vocabulary."""
         engine = self.engine.engine
+        engine.check_params(params)
         ids = engine.tokenize_prompt(prompt)
         if (
             explicit_max
