@@ -10,17 +10,14 @@ not handle) `CpuForward.build` says why and the engine stays on the PyTorch path
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 
 import torch
 
 from infire.config import ModelConfig
+from infire.kernels.build import compile_library
 from infire.layers.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -54,34 +51,12 @@ class _Model(ctypes.Structure):
     ]  # fmt: skip
 
 
-def cache_dir() -> Path:
-    """Where compiled kernels live: $INFIRE_CACHE_DIR, else $XDG_CACHE_HOME/infire."""
-    if "INFIRE_CACHE_DIR" in os.environ:
-        return Path(os.environ["INFIRE_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "infire"
-
-
 @cache
 def load_library() -> ctypes.CDLL | str:
     """The compiled kernel library, or why it is unavailable (compiled on first call)."""
-    compiler = os.environ.get("CC", "cc")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *CFLAGS]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"cpu_forward-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            command = [compiler, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"]
-            try:
-                result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-            except (OSError, subprocess.TimeoutExpired) as e:
-                return f"cannot run the C compiler {compiler!r}: {e}"
-            if result.returncode != 0:
-                return f"{compiler} failed on {SOURCE.name}: {result.stderr.strip()[-500:]}"
-            os.replace(built, target)  # atomic: concurrent builders never load half a file
-    lib = ctypes.CDLL(str(target))
+    lib = compile_library(SOURCE, tuple(CFLAGS))
+    if isinstance(lib, str):
+        return lib
     lib.infire_forward.restype = ctypes.c_int
     lib.infire_forward_workspace.restype = ctypes.c_long
     lib.infire_forward_workspace.argtypes = [ctypes.POINTER(_Model), ctypes.c_int]
