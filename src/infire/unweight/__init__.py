@@ -24,7 +24,7 @@ import torch
 from infire.errors import InfireError
 from infire.unweight import huffman, palette
 
-FORMS = ("huffman", "palette")
+FORMS = ("huffman", "palette", "raw")
 
 
 class UnweightError(InfireError):
@@ -70,30 +70,42 @@ def _raw_bytes(t: torch.Tensor) -> np.ndarray:
 
 
 def compress_tensor(t: torch.Tensor, form: str = "huffman") -> CompressedTensor:
-    """Compress one tensor losslessly (palette applies to BF16; other floats use huffman)."""
+    """Compress one tensor losslessly (palette applies to BF16; other floats use huffman;
+    `raw` stores the bytes as they are)."""
     if form not in FORMS:
         raise UnweightError(f"unknown form {form!r} (expected one of {', '.join(FORMS)})")
     raw = _raw_bytes(t)
     base = dict(dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape),
                 sha256=hashlib.sha256(raw.tobytes()).hexdigest())  # fmt: skip
-    if t.dtype not in _FIELDS or t.numel() == 0:
+    if form == "raw" or t.dtype not in _FIELDS or t.numel() == 0:
         return CompressedTensor("raw", **base, arrays={"data": raw})
     uint, shift, mask = _FIELDS[t.dtype]
     bits = raw.view(_NUMPY_UINT[uint])
+    exponent = ((bits >> shift) & mask).astype(np.uint8)
+    counts = np.bincount(exponent, minlength=256)
+    stats = {"exponent_entropy": _entropy(counts)}
     if form == "palette" and t.dtype == torch.bfloat16:
         p = palette.encode(bits)
         arrays = {"palette": p.palette, "indices": p.indices, "rest": p.rest, "rows": p.rows,
                   "verbatim": p.verbatim}  # fmt: skip
-        return CompressedTensor("palette", **base, arrays=arrays, meta={"row": palette.ROW})
-    exponent = ((bits >> shift) & mask).astype(np.uint8)
+        stats["palette_coverage"] = float(counts[p.palette].sum() / len(bits))
+        stats["verbatim_row_share"] = len(p.rows) / max(1, len(p.rest) // palette.ROW)
+        return CompressedTensor("palette", **base, arrays=arrays,
+                                meta={"row": palette.ROW, **stats})  # fmt: skip
     rest = bits & ~np.array(mask << shift, dtype=bits.dtype)  # sign and mantissa in place
     rest = _pack_rest(rest, shift)
-    encoded = huffman.encode(exponent)
+    encoded = huffman.encode(exponent, huffman.code_lengths(counts))
     arrays = {"stream": encoded.stream, "offsets": encoded.offsets, "rest": rest}
     meta = {"code_lengths": {int(s): int(encoded.lengths[s])
                              for s in np.flatnonzero(encoded.lengths)},
-            "chunk_symbols": huffman.CHUNK_SYMBOLS}  # fmt: skip
+            "chunk_symbols": huffman.CHUNK_SYMBOLS, **stats}  # fmt: skip
     return CompressedTensor("huffman", **base, arrays=arrays, meta=meta)
+
+
+def _entropy(counts: np.ndarray) -> float:
+    """Shannon entropy in bits per symbol of a histogram."""
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log2(p)).sum())
 
 
 def _pack_rest(rest: np.ndarray, shift: int) -> np.ndarray:
@@ -174,3 +186,12 @@ def _decode(c: CompressedTensor, dtype: torch.dtype, name: str) -> np.ndarray:
         raise UnweightError(f"{name}: sign/mantissa data has the wrong size for {count} weights")
     rest = _unpack_rest(c.arrays["rest"], shift, count, np_uint)
     return ((exponent << shift) | rest).astype(np_uint).view(np.uint8)
+
+
+def __getattr__(name: str) -> Any:
+    """`save`, `load`, `compress_model`, `verify` from container.py (imported on first use)."""
+    if name in ("save", "load", "compress_model", "verify"):
+        from infire.unweight import container
+
+        return getattr(container, name)
+    raise AttributeError(f"module 'infire.unweight' has no attribute {name!r}")

@@ -1,0 +1,179 @@
+"""Compressed model folders: `infire compress / verify / inspect`, loading and serving them,
+and damage to the weights file always named, never served."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from infire import LLM, SamplingParams
+from infire.errors import ModelLoadError
+from infire.models.loader import load_model
+from infire.unweight.container import WEIGHTS_FILE, compress_model
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
+           "The three primary colors are", "2 + 2 ="]  # fmt: skip
+
+
+def infire(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "infire.cli", *args], capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+
+
+def greedy(model: str, prompts: list[str], tokens: int = 32) -> list[list[int]]:
+    llm = LLM(model, dtype="bfloat16", num_blocks=128)
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16_tokens(smollm2_path: Path) -> list[list[int]]:
+    return greedy(str(smollm2_path), PROMPTS)
+
+
+def test_compressed_smollm2_generates_the_same_tokens(
+    smollm2_path: Path, smollm2_bf16_tokens: list[list[int]], tmp_path: Path
+):
+    huffman_dir = tmp_path / "smol-huffman"
+    done = infire("compress", str(smollm2_path), str(huffman_dir))
+    assert done.returncode == 0, done.stderr
+    assert "0.66" in done.stderr  # the ratio line: 179 of 269 MB
+    palette_dir = tmp_path / "smol-palette"
+    compress_model(smollm2_path, palette_dir, "palette", progress=False)
+    for folder in (huffman_dir, palette_dir):
+        assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
+        assert greedy(str(folder), PROMPTS) == smollm2_bf16_tokens
+    done = infire("verify", str(palette_dir), "--against", str(smollm2_path))
+    assert done.returncode == 0, done.stderr
+    assert "every tensor decodes" in done.stdout
+    done = infire("inspect", str(palette_dir))
+    assert done.returncode == 0, done.stderr
+    assert "model.layers.0.mlp.down_proj.weight" in done.stdout and "palette" in done.stdout
+    total = done.stdout.strip().splitlines()[-1]
+    assert total.startswith("total: 272 tensors") and "ratio 0.75" in total
+
+
+@pytest.fixture()
+def tiny_compressed(tiny_llama: Path, tmp_path: Path) -> Path:
+    folder = tmp_path / "tiny-unweight"
+    compress_model(tiny_llama, folder, "huffman", progress=False)
+    return folder
+
+
+def test_any_safetensors_reader_opens_it(tiny_compressed: Path, tiny_llama: Path):
+    with safe_open(str(tiny_compressed / WEIGHTS_FILE), framework="numpy") as f:
+        keys = list(f.keys())
+        header = json.loads(f.metadata()["unweight"])
+        assert all(f.get_tensor(k).dtype.name == "uint8" for k in keys)
+    assert header["format"] == "unweight" and header["version"] == 1
+    original = load_model(tiny_llama, torch.float32).weights
+    assert set(header["tensors"]) == set(original)
+    entry = header["tensors"]["model.layers.0.mlp.down_proj.weight"]
+    assert entry["form"] == "huffman" and entry["dtype"] == "float32"
+    assert "model.layers.0.mlp.down_proj.weight::stream" in keys
+
+
+def test_tiny_folder_loads_to_the_same_weights_and_tokens(tiny_compressed: Path, tiny_llama: Path):
+    a = load_model(tiny_compressed, torch.float32).weights
+    b = load_model(tiny_llama, torch.float32).weights
+    assert all(torch.equal(a[k].view(torch.int32), b[k].view(torch.int32)) for k in b)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    got = LLM(str(tiny_compressed), dtype="float32", num_blocks=16).generate("the cat", params)
+    want = LLM(str(tiny_llama), dtype="float32", num_blocks=16).generate("the cat", params)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+def test_mlp_only(tiny_llama: Path, tmp_path: Path):
+    folder = tmp_path / "mlp"
+    compressed = compress_model(tiny_llama, folder, "huffman", tensors="mlp", progress=False)
+    forms = {name: c.form for name, c in compressed.items()}
+    assert forms["model.layers.1.mlp.up_proj.weight"] == "huffman"
+    assert forms["model.layers.1.self_attn.q_proj.weight"] == "raw"
+    assert forms["model.embed_tokens.weight"] == "raw"
+    assert infire("verify", str(folder), "--against", str(tiny_llama)).returncode == 0
+
+
+def _tensor_bytes(path: Path, key: str) -> tuple[int, int]:
+    """File offsets [begin, end) of one stored tensor's bytes."""
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    begin, end = header[key]["data_offsets"]
+    return 8 + length + begin, 8 + length + end
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+NAME = "model.layers.1.mlp.gate_proj.weight"
+
+
+@pytest.mark.parametrize("array", ["stream", "rest", "offsets"])
+def test_flipped_byte_is_named(tiny_compressed: Path, tiny_llama: Path, array: str):
+    path = tiny_compressed / WEIGHTS_FILE
+    begin, end = _tensor_bytes(path, f"{NAME}::{array}")
+    _flip(path, (begin + end) // 2)
+    done = infire("verify", str(tiny_compressed))
+    assert done.returncode == 1 and NAME in done.stderr and "Traceback" not in done.stderr
+    with pytest.raises(ModelLoadError, match=NAME):
+        load_model(tiny_compressed, torch.float32)
+    done = infire("generate", "hi", "--model", str(tiny_compressed))
+    assert done.returncode == 2 and NAME in done.stderr and "Traceback" not in done.stderr
+
+
+def _rewrite_header(path: Path, change) -> None:
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    meta = json.loads(header["__metadata__"]["unweight"])
+    change(header, meta)
+    header["__metadata__"]["unweight"] = json.dumps(meta)
+    text = json.dumps(header).encode()
+    text += b" " * ((8 - len(text) % 8) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + length :])
+
+
+def test_wrong_metadata_is_named(tiny_compressed: Path):
+    def change(header: dict, meta: dict) -> None:
+        lengths = meta["tensors"][NAME]["meta"]["code_lengths"]
+        first = next(iter(lengths))
+        lengths[first] += 1
+
+    _rewrite_header(tiny_compressed / WEIGHTS_FILE, change)
+    with pytest.raises(ModelLoadError, match=NAME):
+        load_model(tiny_compressed, torch.float32)
+
+
+def test_missing_tensor_is_named(tiny_compressed: Path, tiny_llama: Path):
+    def drop_array(header: dict, meta: dict) -> None:
+        del header[f"{NAME}::rest"]  # the data stays; the header no longer lists it
+
+    _rewrite_header(tiny_compressed / WEIGHTS_FILE, drop_array)
+    with pytest.raises(ModelLoadError, match=NAME):
+        load_model(tiny_compressed, torch.float32)
+
+    def drop_entry(header: dict, meta: dict) -> None:
+        del meta["tensors"]["model.norm.weight"]
+
+    folder = tiny_compressed.parent / "again"
+    compress_model(tiny_llama, folder, "huffman", progress=False)
+    _rewrite_header(folder / WEIGHTS_FILE, drop_entry)
+    done = infire("verify", str(folder), "--against", str(tiny_llama))
+    assert done.returncode == 1 and "model.norm.weight: in" in done.stderr
+
+
+def test_destination_must_be_new(tiny_llama: Path, tmp_path: Path):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    done = infire("compress", str(tiny_llama), str(tmp_path / "full"))
+    assert done.returncode == 2 and "not empty" in done.stderr
