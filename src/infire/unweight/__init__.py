@@ -159,13 +159,13 @@ def decompress_tensor(c: CompressedTensor, name: str = "tensor") -> torch.Tensor
         raise UnweightError(f"{name}: {raw.size} bytes decoded for shape {list(c.shape)}")
     if raw.size == 0:
         return torch.empty(c.shape, dtype=dtype)
-    return torch.from_numpy(raw.copy()).view(dtype).reshape(c.shape)
+    return torch.from_numpy(raw).view(dtype).reshape(c.shape)
 
 
 def _decode(c: CompressedTensor, dtype: torch.dtype, name: str) -> np.ndarray:
     count = int(np.prod(c.shape, dtype=np.int64))
     if c.form == "raw":
-        return np.ascontiguousarray(c.arrays["data"], dtype=np.uint8)
+        return np.array(c.arrays["data"], dtype=np.uint8)  # a copy: the result owns its bytes
     uint, shift, mask = _FIELDS[dtype]
     np_uint = _NUMPY_UINT[uint]
     if c.form == "palette":
@@ -181,6 +181,8 @@ def _decode(c: CompressedTensor, dtype: torch.dtype, name: str) -> np.ndarray:
     if int(c.meta["chunk_symbols"]) != huffman.CHUNK_SYMBOLS:
         raise UnweightError(f"{name}: chunk size {c.meta['chunk_symbols']} is not supported")
     encoded = huffman.Encoded(lengths, c.arrays["stream"], c.arrays["offsets"], count)
+    if dtype == torch.bfloat16:  # one pass: exponents decoded straight into the weights
+        return huffman.decode(encoded, name, bf16_rest=c.arrays["rest"]).view(np.uint8)
     exponent = huffman.decode(encoded, name).astype(np_uint)
     if len(c.arrays["rest"]) != _rest_nbytes(shift, count):
         raise UnweightError(f"{name}: sign/mantissa data has the wrong size for {count} weights")

@@ -140,11 +140,16 @@ def _library() -> ctypes.CDLL | str:
     if isinstance(lib, str):
         return lib
     lib.unweight_huffman_decode.restype = ctypes.c_int
+    lib.unweight_huffman_decode_bf16.restype = ctypes.c_int
     return lib
 
 
-def decode(encoded: Encoded, name: str = "tensor") -> np.ndarray:
-    """The uint8 symbols; CorruptStreamError naming `name` when the stream is damaged."""
+def decode(
+    encoded: Encoded, name: str = "tensor", bf16_rest: np.ndarray | None = None
+) -> np.ndarray:
+    """The uint8 symbols or, given `bf16_rest` (one sign << 7 | mantissa byte per weight),
+    the BF16 weights they are the exponents of, as uint16. CorruptStreamError naming
+    `name` when the stream is damaged."""
     lengths, stream, offsets, n = encoded.lengths, encoded.stream, encoded.offsets, encoded.count
     num_chunks = (n + CHUNK_SYMBOLS - 1) // CHUNK_SYMBOLS
     total = int(offsets[-1]) if len(offsets) else 0
@@ -154,26 +159,37 @@ def decode(encoded: Encoded, name: str = "tensor") -> np.ndarray:
         or total > 8 * (len(stream) - 3)
     ):
         raise CorruptStreamError(f"{name}: chunk offsets do not fit the stream")
+    if bf16_rest is not None and len(bf16_rest) != n:
+        raise CorruptStreamError(f"{name}: {len(bf16_rest)} sign/mantissa bytes for {n} weights")
+    out = np.empty(n, dtype=np.uint8 if bf16_rest is None else np.uint16)
     if n == 0:
-        return np.zeros(0, dtype=np.uint8)
+        return out
     table_symbol, table_length = decode_table(lengths)
-    out = np.empty(n, dtype=np.uint8)
     ends = np.empty(num_chunks, dtype=np.uint64)
     lib = _library()
     stream = np.ascontiguousarray(stream)
     offsets = np.ascontiguousarray(offsets, dtype=np.uint64)
     if isinstance(lib, str):
-        bad = _decode_numpy(stream, offsets, n, table_symbol, table_length, out, ends)
+        symbols = np.empty(n, dtype=np.uint8)
+        bad = _decode_numpy(stream, offsets, n, table_symbol, table_length, symbols, ends)
+        if bf16_rest is None:
+            out = symbols
+        else:
+            rest = bf16_rest.astype(np.uint16)
+            out = ((rest & 0x80) << 8) | (symbols.astype(np.uint16) << 7) | (rest & 0x7F)
     else:
 
         def ptr(a: np.ndarray) -> ctypes.c_void_p:
             return ctypes.c_void_p(a.ctypes.data)
 
-        bad = lib.unweight_huffman_decode(
-            ptr(stream), ctypes.c_uint64(total), ptr(offsets), ctypes.c_int64(num_chunks),
-            ctypes.c_int64(CHUNK_SYMBOLS), ctypes.c_int64(n), ptr(table_symbol),
-            ptr(table_length), ptr(out), ptr(ends),
-        )  # fmt: skip
+        head = (ptr(stream), ctypes.c_uint64(total), ptr(offsets), ctypes.c_int64(num_chunks),
+                ctypes.c_int64(CHUNK_SYMBOLS), ctypes.c_int64(n), ptr(table_symbol),
+                ptr(table_length))  # fmt: skip
+        if bf16_rest is None:
+            bad = lib.unweight_huffman_decode(*head, ptr(out), ptr(ends))
+        else:
+            rest = np.ascontiguousarray(bf16_rest, dtype=np.uint8)
+            bad = lib.unweight_huffman_decode_bf16(*head, ptr(rest), ptr(out), ptr(ends))
     if bad or not np.array_equal(ends, offsets[1:]):
         raise CorruptStreamError(f"{name}: the Huffman stream does not decode as recorded")
     return out

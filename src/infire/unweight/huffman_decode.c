@@ -13,10 +13,10 @@
 
 #define PEEK_BITS 12
 
-int unweight_huffman_decode(const uint8_t *stream, uint64_t total_bits,
-                            const uint64_t *offsets, int64_t num_chunks,
-                            int64_t chunk, int64_t n, const uint8_t *table_symbol,
-                            const uint8_t *table_length, uint8_t *out, uint64_t *ends) {
+static inline __attribute__((always_inline)) int decode_impl(
+    const uint8_t *stream, uint64_t total_bits, const uint64_t *offsets, int64_t num_chunks,
+    int64_t chunk, int64_t n, const uint8_t *table_symbol, const uint8_t *table_length,
+    const uint8_t *rest, void *out, uint64_t *ends, const int bf16) {
     int bad = 0;
 #pragma omp parallel for schedule(dynamic, 16) reduction(| : bad)
     for (int64_t c = 0; c < num_chunks; c++) {
@@ -31,10 +31,35 @@ int unweight_huffman_decode(const uint8_t *stream, uint64_t total_bits,
                 bad = 1;
                 break;
             }
-            out[first + i] = table_symbol[peek];
+            if (bf16) {
+                uint16_t r = rest[first + i];
+                ((uint16_t *)out)[first + i] =
+                    (uint16_t)((r & 0x80) << 8) | (uint16_t)(table_symbol[peek] << 7) | (r & 0x7F);
+            } else {
+                ((uint8_t *)out)[first + i] = table_symbol[peek];
+            }
             pos += length;
         }
         ends[c] = pos;
     }
     return bad;
+}
+
+/* The symbols (exponents) into out[n]. */
+int unweight_huffman_decode(const uint8_t *stream, uint64_t total_bits,
+                            const uint64_t *offsets, int64_t num_chunks, int64_t chunk,
+                            int64_t n, const uint8_t *table_symbol,
+                            const uint8_t *table_length, uint8_t *out, uint64_t *ends) {
+    return decode_impl(stream, total_bits, offsets, num_chunks, chunk, n, table_symbol,
+                       table_length, 0, out, ends, 0);
+}
+
+/* BF16 weights rebuilt at once: out[i] = (rest & 0x80) << 8 | exponent << 7 | rest & 0x7F. */
+int unweight_huffman_decode_bf16(const uint8_t *stream, uint64_t total_bits,
+                                 const uint64_t *offsets, int64_t num_chunks, int64_t chunk,
+                                 int64_t n, const uint8_t *table_symbol,
+                                 const uint8_t *table_length, const uint8_t *rest,
+                                 uint16_t *out, uint64_t *ends) {
+    return decode_impl(stream, total_bits, offsets, num_chunks, chunk, n, table_symbol,
+                       table_length, rest, out, ends, 1);
 }
