@@ -179,11 +179,13 @@ def plot(rows: list[dict], path: Path) -> None:
     for i, codec in enumerate(codecs):
         ratios = [next(r["ratio"] for r in rows if (r["model"], r["subset"]) == g
                        and r["codec"] == codec) for g in groups]  # fmt: skip
-        axes[0].bar(np.arange(len(groups)) + i * width, ratios, width, label=codec)
+        axes[0].bar(np.arange(len(groups)) + i * width, ratios, width, label=codec, color=f"C{i}")
         if codec != "exponent-entropy bound":
             speeds = [next(r["decompress_MBps"] for r in rows if (r["model"], r["subset"]) == g
                            and r["codec"] == codec) for g in groups]  # fmt: skip
-            axes[1].bar(np.arange(len(groups)) + i * width, speeds, width, label=codec)
+            axes[1].bar(
+                np.arange(len(groups)) + i * width, speeds, width, label=codec, color=f"C{i}"
+            )
     for ax, title in zip(axes, ("size / BF16 size (lower is better)",
                                 "decompress MB/s, 2 threads (higher is better)"), strict=True):  # fmt: skip
         ax.set_xticks(np.arange(len(groups)) + 0.4 - width / 2, [f"{m}\n{s}" for m, s in groups])
