@@ -189,7 +189,7 @@ def test_truncated_or_inconsistent_data_is_an_error(compressed):
         decompress_tensor(wrong_shape, "w")
     p = compressed["palette"]
     rows = dataclasses.replace(p, arrays={**p.arrays, "rows": np.array([10**6], np.uint32),
-                                          "verbatim": np.zeros((1, 64), np.uint16)})  # fmt: skip
+                                          "verbatim": np.zeros((1, 64), np.uint8)})  # fmt: skip
     with pytest.raises(UnweightError, match="w: "):
         decompress_tensor(rows, "w")
 
@@ -213,7 +213,7 @@ def test_smollm2_bf16_weights_round_trip():
             c = compress_tensor(w, form)
             assert_bit_exact(decompress_tensor(c, name), w)
             size += c.nbytes
-        assert size / original <= at_most  # measured: 0.667 and 0.753
+        assert size / original <= at_most  # measured: 0.667 and 0.752
 
 
 def test_all_minilm_weights_round_trip():
@@ -244,7 +244,8 @@ def test_all_minilm_weights_round_trip():
         original += bf16.numel() * 2
         if w.numel() < 1_000_000:  # the FP32 form itself, on the smaller tensors
             assert_bit_exact(decompress_tensor(compress_tensor(w), name), w)
-    assert sizes["huffman"] / original < 0.67 and sizes["palette"] / original < 0.77
+    assert sizes["huffman"] / original < 0.67  # measured 0.6667
+    assert sizes["palette"] / original <= 0.755  # the target; measured 0.7545
 
 
 def test_without_a_c_compiler_the_numpy_decoder_serves(monkeypatch: pytest.MonkeyPatch):

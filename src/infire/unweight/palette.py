@@ -2,9 +2,10 @@
 
 Per tensor a palette of its 16 most common exponents; per weight a 4-bit palette index
 (two per byte, low nibble first) and its sign+mantissa byte; rows of ROW weights (of the
-flattened tensor) that hold an exponent outside the palette are kept whole as BF16 in a
-side table with their row numbers. A weight is `sign << 15 | palette[index] << 7 |
-mantissa`, then the verbatim rows are written over their places.
+flattened tensor) that hold an exponent outside the palette keep their exponents verbatim
+(one byte each) in a side table with their row numbers; their sign and mantissa bytes
+stay in the main array like every other row's. A weight is `sign << 15 | palette[index]
+<< 7 | mantissa`; then the exponents of the verbatim rows are written over their places.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class Palette:
     indices: np.ndarray  # uint8, two 4-bit indices per byte
     rest: np.ndarray  # uint8 per weight: sign << 7 | mantissa
     rows: np.ndarray  # uint32 row numbers kept verbatim
-    verbatim: np.ndarray  # [len(rows), ROW] uint16 (the padded last row as padded)
+    verbatim: np.ndarray  # [len(rows), ROW] uint8 exponents (the padded last row as padded)
     count: int  # weights
 
 
@@ -44,7 +45,7 @@ def encode(bits: np.ndarray) -> Palette:
     index = lookup[((padded >> 7) & 0xFF).astype(np.uint8)]
     outside = (index == 255).reshape(-1, ROW).any(axis=1)
     rows = np.flatnonzero(outside).astype(np.uint32)
-    verbatim = padded.reshape(-1, ROW)[rows]
+    verbatim = ((padded.reshape(-1, ROW)[rows] >> 7) & 0xFF).astype(np.uint8)
     index = np.where(index == 255, 0, index)
     if len(index) % 2:
         index = np.append(index, 0)
@@ -63,5 +64,7 @@ def decode(p: Palette) -> np.ndarray:
     palette[: len(p.palette)] = p.palette
     rest = p.rest.astype(np.uint16)
     bits = ((rest & 0x80) << 8) | (palette[index] << 7) | (rest & 0x7F)
-    bits.reshape(-1, ROW)[p.rows.astype(np.int64)] = p.verbatim
+    rows = bits.reshape(-1, ROW)
+    kept = p.rows.astype(np.int64)
+    rows[kept] = (rows[kept] & 0x807F) | (p.verbatim.astype(np.uint16) << 7)
     return bits[: p.count]
