@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from infire.bench.serve import METRICS
+from infire.bench.serve import METRICS, RequestResult, latency_series
 from infire.errors import InvalidRequestError
 
 _TITLES = {"ttft": "time to first token", "tpot": "time per output token",
@@ -31,23 +31,14 @@ def _pyplot():  # noqa: ANN202 (matplotlib's module)
     return plt
 
 
-def _series(result: dict, name: str) -> list[float]:
-    ok = [r for r in result["requests"] if r["success"]]
-    if name == "itl":
-        return [gap * 1000 for r in ok for gap in r["itl"]]
-    if name == "tpot":
-        return [(r["e2el"] - r["ttft"]) * 1000 / (r["output_tokens"] - 1)
-                for r in ok if r["output_tokens"] > 1]  # fmt: skip
-    return [r[name] * 1000 for r in ok]
-
-
 def plot_run(result: dict, path: Path) -> Path:
     """Histograms of one run's latencies."""
     plt = _pyplot()
     s, settings = result["summary"], result["settings"]
+    series = latency_series([RequestResult(**r) for r in result["requests"]])
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     for ax, name in zip(axes.flat, METRICS, strict=True):
-        values = _series(result, name)
+        values = [v * 1000 for v in series[name]]
         if values:
             ax.hist(values, bins=min(40, max(5, len(values) // 4)), color="tab:blue", alpha=0.8)
             for stat, style in (("p50", "--"), ("p90", ":")):

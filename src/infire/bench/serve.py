@@ -256,17 +256,23 @@ def _stats(values_s: list[float]) -> dict[str, float]:
             **{f"p{p}": float(np.percentile(ms, p)) for p in PERCENTILES}}  # fmt: skip
 
 
-def summarize(config: BenchConfig, results: list[RequestResult], duration: float) -> dict:
-    """The run's JSON: its settings, the summary (vLLM's names) and every request."""
+def latency_series(results: list[RequestResult]) -> dict[str, list[float]]:
+    """TTFT, TPOT, ITL and E2E samples (seconds) of the successful requests."""
     ok = [r for r in results if r.success]
-    output = sum(r.output_tokens for r in ok)
-    prompt = sum(r.prompt_tokens for r in ok)
-    series = {
+    return {
         "ttft": [r.ttft for r in ok],
         "tpot": [r.tpot for r in ok if r.tpot is not None],
         "itl": [gap for r in ok for gap in r.itl],
         "e2el": [r.e2el for r in ok],
     }
+
+
+def summarize(config: BenchConfig, results: list[RequestResult], duration: float) -> dict:
+    """The run's JSON: its settings, the summary (vLLM's names) and every request."""
+    ok = [r for r in results if r.success]
+    output = sum(r.output_tokens for r in ok)
+    prompt = sum(r.prompt_tokens for r in ok)
+    series = latency_series(results)
     summary: dict[str, Any] = {
         "completed": len(ok),
         "failed": len(results) - len(ok),
