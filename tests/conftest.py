@@ -17,6 +17,12 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with its weights saved in bfloat16 (what the palette form applies to)."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama-bf16"), dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Qwen2 (q/k/v biases, tied embeddings) in HF format."""
     return write_tiny_model(

@@ -32,9 +32,14 @@ def byte_level_tokenizer() -> HFTokenizer:
 
 
 def write_tiny_model(
-    folder: Path, model_type: str = "llama", seed: int = 0, **overrides: object
+    folder: Path,
+    model_type: str = "llama",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    **overrides: object,
 ) -> Path:
-    """Save a tiny random transformers model (weights, config, tokenizer) as an HF folder."""
+    """Save a tiny random transformers model (weights, config, tokenizer) as an HF folder,
+    its weights in `dtype`."""
     import transformers
 
     tokenizer = byte_level_tokenizer()
@@ -67,7 +72,7 @@ def write_tiny_model(
             if param.dim() > 1:
                 param.normal_(0, 0.2)
     folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder, safe_serialization=True)
+    model.to(dtype).save_pretrained(folder, safe_serialization=True)
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(
         json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None})

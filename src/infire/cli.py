@@ -428,9 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compress.add_argument("src", help="HF model folder or .gguf file (GGUF: dequantized to bf16)")
     compress.add_argument("dst", help="new folder (must not exist or be empty)")
-    compress.add_argument("--form", choices=("huffman", "palette"), default="huffman",
-                          help="huffman: smallest (decoded at load); palette: 12 bits per "
-                          "BF16 weight (default: huffman)")  # fmt: skip
+    compress.add_argument("--form", choices=("rans", "palette"), default="rans",
+                          help="rans: smallest (decoded at load); palette: 12 bits per "
+                          "BF16 weight (default: rans)")  # fmt: skip
     compress.add_argument("--tensors", choices=("all", "linear", "mlp"), default="all",
                           help="which tensors to compress; the others are stored as they are "
                           "(default: all)")  # fmt: skip

@@ -41,13 +41,13 @@ def smollm2_bf16_tokens(smollm2_path: Path) -> list[list[int]]:
 def test_compressed_smollm2_generates_the_same_tokens(
     smollm2_path: Path, smollm2_bf16_tokens: list[list[int]], tmp_path: Path
 ):
-    huffman_dir = tmp_path / "smol-huffman"
-    done = infire("compress", str(smollm2_path), str(huffman_dir))
+    rans_dir = tmp_path / "smol-rans"
+    done = infire("compress", str(smollm2_path), str(rans_dir))
     assert done.returncode == 0, done.stderr
-    assert "0.66" in done.stderr  # the ratio line: 179 of 269 MB
+    assert "0.66" in done.stderr  # the ratio line: 179 of 269 MB (0.6635)
     palette_dir = tmp_path / "smol-palette"
     compress_model(smollm2_path, palette_dir, "palette", progress=False)
-    for folder in (huffman_dir, palette_dir):
+    for folder in (rans_dir, palette_dir):
         assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
         assert greedy(str(folder), PROMPTS) == smollm2_bf16_tokens
     done = infire("verify", str(palette_dir), "--against", str(smollm2_path))
@@ -63,7 +63,7 @@ def test_compressed_smollm2_generates_the_same_tokens(
 @pytest.fixture()
 def tiny_compressed(tiny_llama: Path, tmp_path: Path) -> Path:
     folder = tmp_path / "tiny-unweight"
-    compress_model(tiny_llama, folder, "huffman", progress=False)
+    compress_model(tiny_llama, folder, "rans", progress=False)
     return folder
 
 
@@ -72,11 +72,12 @@ def test_any_safetensors_reader_opens_it(tiny_compressed: Path, tiny_llama: Path
         keys = list(f.keys())
         header = json.loads(f.metadata()["unweight"])
         assert all(f.get_tensor(k).dtype.name == "uint8" for k in keys)
-    assert header["format"] == "unweight" and header["version"] == 1
+    assert header["format"] == "unweight" and header["version"] == 2
     original = load_model(tiny_llama, torch.float32).weights
     assert set(header["tensors"]) == set(original)
     entry = header["tensors"]["model.layers.0.mlp.down_proj.weight"]
-    assert entry["form"] == "huffman" and entry["dtype"] == "float32"
+    assert entry["form"] == "rans" and entry["dtype"] == "float32"
+    assert isinstance(entry["crc32"], int) and len(entry["sha256"]) == 64
     assert "model.layers.0.mlp.down_proj.weight::stream" in keys
 
 
@@ -92,9 +93,9 @@ def test_tiny_folder_loads_to_the_same_weights_and_tokens(tiny_compressed: Path,
 
 def test_mlp_only(tiny_llama: Path, tmp_path: Path):
     folder = tmp_path / "mlp"
-    compressed = compress_model(tiny_llama, folder, "huffman", tensors="mlp", progress=False)
+    compressed = compress_model(tiny_llama, folder, "rans", tensors="mlp", progress=False)
     forms = {name: c.form for name, c in compressed.items()}
-    assert forms["model.layers.1.mlp.up_proj.weight"] == "huffman"
+    assert forms["model.layers.1.mlp.up_proj.weight"] == "rans"
     assert forms["model.layers.1.self_attn.q_proj.weight"] == "raw"
     assert forms["model.embed_tokens.weight"] == "raw"
     assert infire("verify", str(folder), "--against", str(tiny_llama)).returncode == 0
@@ -145,13 +146,35 @@ def _rewrite_header(path: Path, change) -> None:
 
 def test_wrong_metadata_is_named(tiny_compressed: Path):
     def change(header: dict, meta: dict) -> None:
-        lengths = meta["tensors"][NAME]["meta"]["code_lengths"]
-        first = next(iter(lengths))
-        lengths[first] += 1
+        frequencies = meta["tensors"][NAME]["meta"]["frequencies"]
+        first = next(iter(frequencies))
+        frequencies[first] += 1
 
     _rewrite_header(tiny_compressed / WEIGHTS_FILE, change)
     with pytest.raises(ModelLoadError, match=NAME):
         load_model(tiny_compressed, torch.float32)
+
+
+def test_wrong_crc_is_named(tiny_compressed: Path):
+    def change(header: dict, meta: dict) -> None:
+        meta["tensors"][NAME]["crc32"] ^= 1
+
+    _rewrite_header(tiny_compressed / WEIGHTS_FILE, change)
+    with pytest.raises(ModelLoadError, match=f"{NAME}: .* CRC32"):
+        load_model(tiny_compressed, torch.float32)
+    done = infire("verify", str(tiny_compressed))  # verifying checks SHA-256s instead
+    assert done.returncode == 0, done.stderr
+
+
+def test_version_1_files_are_refused(tiny_compressed: Path):
+    def change(header: dict, meta: dict) -> None:
+        meta["version"] = 1
+
+    _rewrite_header(tiny_compressed / WEIGHTS_FILE, change)
+    with pytest.raises(ModelLoadError, match="format version 1 is not supported"):
+        load_model(tiny_compressed, torch.float32)
+    done = infire("verify", str(tiny_compressed))
+    assert done.returncode != 0 and "format version 1 is not supported" in done.stderr
 
 
 def test_missing_tensor_is_named(tiny_compressed: Path, tiny_llama: Path):
@@ -166,7 +189,7 @@ def test_missing_tensor_is_named(tiny_compressed: Path, tiny_llama: Path):
         del meta["tensors"]["model.norm.weight"]
 
     folder = tiny_compressed.parent / "again"
-    compress_model(tiny_llama, folder, "huffman", progress=False)
+    compress_model(tiny_llama, folder, "rans", progress=False)
     _rewrite_header(folder / WEIGHTS_FILE, drop_entry)
     done = infire("verify", str(folder), "--against", str(tiny_llama))
     assert done.returncode == 1 and "model.norm.weight: in" in done.stderr

@@ -62,6 +62,7 @@ class LLMEngine:
             config.device,
             config.seed,
             config.cpu_kernels,
+            palette=loaded.palette,
         )
         del loaded
         self.block_manager = BlockManager(

@@ -42,6 +42,7 @@ class ModelRunner:
         device: str = "cpu",
         seed: int = 0,
         cpu_kernels: bool = True,
+        palette: bool = False,
     ) -> None:
         self.config = config
         self.device = torch.device(device)
@@ -61,11 +62,15 @@ class ModelRunner:
         self.fused: CpuForward | None = None
         self.fused_status = "disabled"
         if cpu_kernels:
-            built = CpuForward.build(self.model, self.kv_cache, dtype)
+            built = CpuForward.build(self.model, self.kv_cache, dtype, palette)
             self.fused = built if isinstance(built, CpuForward) else None
             self.fused_status = "active" if self.fused else f"unavailable: {built}"
+        if palette:  # weights from an Unweight palette-form folder
+            held = self.fused is not None and self.fused.palette
+            self.fused_status += ", palette weights" if held else ", palette weights decoded"
         if self.fused is not None and self.fused.takes_prefill:
-            self.model.drop_matmul_weights()  # every step runs fused: one copy in memory
+            # every step runs fused: one copy in memory (the palette form embeds too)
+            self.model.drop_matmul_weights(embedding=self.fused.palette)
         elif self.device.type == "cpu":
             self.model.pack_for_cpu()
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(seed))

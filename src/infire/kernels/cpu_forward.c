@@ -14,7 +14,9 @@
  *    so that two unpacks under zeros turn 16 bf16 into two fp32 vectors in column order;
  *  - activations stay fp32; each (row, token) dot product accumulates in the same order
  *    whatever the number of tokens, so a sequence's result does not depend on its batch;
- *  - attention reads the paged KV pool through block tables with an online softmax.
+ *  - attention reads the paged KV pool through block tables with an online softmax;
+ *  - bf16 weights may also be held in Unweight's palette form (12 bits a weight, see
+ *    PaletteWeight), rebuilt tile by tile into the bf16 layout right before their dots.
  *
  * The layout of InfireModel is mirrored by a ctypes Structure in cpu_forward.py.
  */
@@ -31,6 +33,7 @@
 typedef struct {
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab;
     int32_t block_size, weight_bf16, kv_bf16;
+    int32_t weight_palette; /* matmul weights and embedding are PaletteWeight (bf16 values) */
     float eps, scale;
     int64_t num_blocks;
     const void *const *qkv;     /* per layer, tiled */
@@ -41,7 +44,7 @@ typedef struct {
     const float *const *norm1; /* input_layernorm, fp32 */
     const float *const *norm2; /* post_attention_layernorm, fp32 */
     const float *final_norm;
-    const void *embed;   /* [vocab, hidden] row-major, weight dtype */
+    const void *embed;   /* [vocab, hidden] row-major, weight dtype; or a PaletteWeight */
     const void *lm_head; /* tiled, rows padded to TILE_ROWS */
     void *kv_cache;      /* [layers, 2, blocks, block_size, kv_heads, head_dim], kv dtype */
 } InfireModel;
@@ -135,22 +138,153 @@ static inline __attribute__((always_inline)) void tile_dots(
     }
 }
 
+/*
+ * A bf16 weight in the palette form, tiled like the bf16 weights (cpu_forward.py packs it):
+ * per 4x16 tile chunk 96 bytes, two halves (rows 0-1, rows 2-3) of 16 index bytes (the low
+ * nibbles index weights 0-15 of the half, the high nibbles 16-31) then two halves of 32
+ * sign << 7 | mantissa bytes. Weight j of a half is rebuilt as the bf16 (r & 0x80) << 8 |
+ * palette[index] << 7 | (r & 0x7F); chunks holding an exponent outside the 16-entry palette
+ * take all 64 exponents from `verbatim` instead. The 64 weights of a half are stored in the
+ * order that one byte unpack turns into the bf16 tile layout, so a chunk costs two shuffles
+ * (palette lookups) and two unpacks per 32 weights, and no data-dependent branch other
+ * than the verbatim flag.
+ */
+typedef struct {
+    const uint8_t *palette;         /* 16 exponents (unused entries 0) */
+    const uint8_t *chunks;          /* [tiles][cols / 16][PALETTE_CHUNK] */
+    const uint8_t *flags;           /* [tiles][cols / 16]: 1 = exponents from verbatim */
+    const uint8_t *verbatim;        /* [flagged chunks][64] exponents, in chunk order */
+    const uint32_t *tile_verbatim;  /* [tiles]: the first flagged chunk of each tile */
+} PaletteWeight;
+
+#define PALETTE_CHUNK 96
+
+/* The palette as the high and low bytes its exponents contribute to a bf16. */
+static inline void palette_tables(const PaletteWeight *w, __m256i *hi, __m256i *lo) {
+    __m128i p = _mm_loadu_si128((const __m128i *)w->palette);
+    *hi = _mm256_broadcastsi128_si256(_mm_and_si128(_mm_srli_epi16(p, 1), _mm_set1_epi8(0x7F)));
+    *lo = _mm256_broadcastsi128_si256(
+        _mm_and_si128(_mm_slli_epi16(p, 7), _mm_set1_epi8((char)0x80)));
+}
+
+/* One chunk as its 4 rows of 16 bf16, each in the tile layout (w0-3, w8-11, w4-7, w12-15). */
+static inline __attribute__((always_inline)) void palette_rows(
+    const uint8_t *c, const uint8_t *verbatim, __m256i hi_tab, __m256i lo_tab, __m256i rows[4]) {
+    const __m256i shifts = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+    const __m256i nibble = _mm256_set1_epi8(0x0F), sign = _mm256_set1_epi8((char)0x80),
+                  mantissa = _mm256_set1_epi8(0x7F);
+    for (int h = 0; h < 2; h++) {
+        __m256i r = _mm256_loadu_si256((const __m256i *)(c + 32 + 32 * h)), ehi, elo;
+        if (verbatim) {
+            __m256i e = _mm256_loadu_si256((const __m256i *)(verbatim + 32 * h));
+            ehi = _mm256_and_si256(_mm256_srli_epi16(e, 1), mantissa);
+            elo = _mm256_and_si256(_mm256_slli_epi16(e, 7), sign);
+        } else {
+            __m256i p = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(c + 16 * h)));
+            __m256i ids = _mm256_and_si256(_mm256_srlv_epi32(p, shifts), nibble);
+            ehi = _mm256_shuffle_epi8(hi_tab, ids);
+            elo = _mm256_shuffle_epi8(lo_tab, ids);
+        }
+        __m256i hib = _mm256_or_si256(_mm256_and_si256(r, sign), ehi);
+        __m256i lob = _mm256_or_si256(_mm256_and_si256(r, mantissa), elo);
+        rows[2 * h] = _mm256_unpacklo_epi8(lob, hib);
+        rows[2 * h + 1] = _mm256_unpackhi_epi8(lob, hib);
+    }
+}
+
+/* One chunk as 64 bf16 in the tile layout (row r's 16 at out + 16 r). */
+static inline __attribute__((always_inline)) void palette_chunk(
+    const uint8_t *c, const uint8_t *verbatim, __m256i hi_tab, __m256i lo_tab, uint16_t *out) {
+    __m256i rows[4];
+    palette_rows(c, verbatim, hi_tab, lo_tab, rows);
+    for (int r = 0; r < TILE_ROWS; r++)
+        _mm256_storeu_si256((__m256i *)(out + TILE_COLS * r), rows[r]);
+}
+
+/* tile_dots on a palette tile, each chunk rebuilt in registers (one or two tokens). */
+static inline __attribute__((always_inline)) void palette_dots(
+    const PaletteWeight *w, long tile, int cols, __m256i hi_tab, __m256i lo_tab, const float *x0,
+    const float *x1, const int two, float *out0, float *out1) {
+    __m256 a[TILE_ROWS], b[TILE_ROWS];
+    for (int r = 0; r < TILE_ROWS; r++) a[r] = b[r] = _mm256_setzero_ps();
+    int chunks = cols / TILE_COLS;
+    long first = tile * chunks;
+    const uint8_t *v = w->verbatim + 64L * w->tile_verbatim[tile];
+    const __m256i zero = _mm256_setzero_si256();
+    for (int k = 0; k < chunks; k++) {
+        int flagged = w->flags[first + k];
+        __m256i rows[4];
+        palette_rows(w->chunks + (first + k) * PALETTE_CHUNK, flagged ? v : NULL, hi_tab, lo_tab,
+                     rows);
+        v += 64 * flagged;
+        __m256 xl0 = _mm256_loadu_ps(x0 + k * TILE_COLS), xh0 = _mm256_loadu_ps(x0 + k * TILE_COLS + 8);
+        __m256 xl1 = xl0, xh1 = xh0;
+        if (two) {
+            xl1 = _mm256_loadu_ps(x1 + k * TILE_COLS);
+            xh1 = _mm256_loadu_ps(x1 + k * TILE_COLS + 8);
+        }
+        for (int r = 0; r < TILE_ROWS; r++) {
+            __m256 lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, rows[r]));
+            __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, rows[r]));
+            a[r] = _mm256_fmadd_ps(hi, xh0, _mm256_fmadd_ps(lo, xl0, a[r]));
+            if (two) b[r] = _mm256_fmadd_ps(hi, xh1, _mm256_fmadd_ps(lo, xl1, b[r]));
+        }
+    }
+    for (int r = 0; r < TILE_ROWS; r++) {
+        out0[r] = hsum(a[r]);
+        if (two) out1[r] = hsum(b[r]);
+    }
+}
+
+/* Tile `tile` (4 rows) of a palette weight as bf16 tiles into out[4 * cols]. */
+static inline void palette_tile(const PaletteWeight *w, long tile, int cols, __m256i hi,
+                                __m256i lo, uint16_t *out) {
+    int chunks = cols / TILE_COLS;
+    long first = tile * chunks;
+    const uint8_t *v = w->verbatim + 64L * w->tile_verbatim[tile];
+    for (int k = 0; k < chunks; k++) {
+        int flagged = w->flags[first + k];
+        palette_chunk(w->chunks + (first + k) * PALETTE_CHUNK, flagged ? v : NULL, hi, lo,
+                      out + (long)k * TILE_COLS * TILE_ROWS);
+        v += 64 * flagged;
+    }
+}
+
+enum { WEIGHT_F32, WEIGHT_BF16, WEIGHT_PALETTE };
+
 static inline __attribute__((always_inline)) void linear_impl(
-    const void *w, const int bf16, const float *bias, const float *x, int n, int cols,
-    float *y, int rows, int ldy, int accumulate) {
+    const void *w, const int kind, const float *bias, const float *x, int n, int cols,
+    float *y, int rows, int ldy, int accumulate, uint16_t *scratch) {
     int tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
+    __m256i hi = _mm256_setzero_si256(), lo = hi;
+    if (kind == WEIGHT_PALETTE) palette_tables(w, &hi, &lo);
     for (int t0 = 0; t0 < n; t0 += TOKEN_BLOCK) {
         int t1 = t0 + TOKEN_BLOCK < n ? t0 + TOKEN_BLOCK : n;
 #pragma omp for schedule(static)
         for (int tile = 0; tile < tiles; tile++) {
+            const void *wt = w;
+            long at = tile;
+            /* a palette tile is rebuilt in registers for one or two tokens, else once into
+               a bf16 scratch tile that all the block's tokens then read */
+            int rebuild = kind == WEIGHT_PALETTE && t1 - t0 > 2;
+            if (rebuild) {
+                palette_tile(w, tile, cols, hi, lo, scratch);
+                wt = scratch;
+                at = 0;
+            }
             for (int t = t0; t < t1; t += 2) {
                 float d0[TILE_ROWS], d1[TILE_ROWS];
                 const float *x0 = x + (long)t * cols;
                 int two = t + 1 < t1;
-                if (two)
-                    tile_dots(w, tile, cols, bf16, x0, x0 + cols, 1, d0, d1);
+                if (kind == WEIGHT_PALETTE && !rebuild) {
+                    if (two)
+                        palette_dots(w, tile, cols, hi, lo, x0, x0 + cols, 1, d0, d1);
+                    else
+                        palette_dots(w, tile, cols, hi, lo, x0, x0, 0, d0, d1);
+                } else if (two)
+                    tile_dots(wt, at, cols, kind != WEIGHT_F32, x0, x0 + cols, 1, d0, d1);
                 else
-                    tile_dots(w, tile, cols, bf16, x0, x0, 0, d0, d1);
+                    tile_dots(wt, at, cols, kind != WEIGHT_F32, x0, x0, 0, d0, d1);
                 for (int r = 0; r < TILE_ROWS; r++) {
                     int row = tile * TILE_ROWS + r;
                     if (row >= rows) break;
@@ -164,13 +298,18 @@ static inline __attribute__((always_inline)) void linear_impl(
     }
 }
 
-/* y[t, :rows] (+)= W x[t] (+ bias) for n tokens; called inside a parallel region. */
-static void linear(const void *w, int bf16, const float *bias, const float *x, int n, int cols,
-                   float *y, int rows, int ldy, int accumulate) {
-    if (bf16)
-        linear_impl(w, 1, bias, x, n, cols, y, rows, ldy, accumulate);
+/* y[t, :rows] (+)= W x[t] (+ bias) for n tokens; called inside a parallel region. A palette
+ * weight's tiles are rebuilt into a scratch tile on each thread's stack, once per token
+ * block, and multiplied as bf16 tiles. */
+static void linear(const InfireModel *m, const void *w, const float *bias, const float *x, int n,
+                   int cols, float *y, int rows, int ldy, int accumulate) {
+    if (m->weight_palette) {
+        uint16_t scratch[TILE_ROWS * cols];
+        linear_impl(w, WEIGHT_PALETTE, bias, x, n, cols, y, rows, ldy, accumulate, scratch);
+    } else if (m->weight_bf16)
+        linear_impl(w, WEIGHT_BF16, bias, x, n, cols, y, rows, ldy, accumulate, NULL);
     else
-        linear_impl(w, 0, bias, x, n, cols, y, rows, ldy, accumulate);
+        linear_impl(w, WEIGHT_F32, bias, x, n, cols, y, rows, ldy, accumulate, NULL);
 }
 
 static void rms_norm(const float *x, const float *weight, float *out, int n, int dim, float eps) {
@@ -196,7 +335,24 @@ static void embed_tokens(const InfireModel *m, const int64_t *token_ids, int n, 
     for (int t = 0; t < n; t++) {
         float *xt = x + (long)t * h;
         long row = token_ids[t] * (long)h;
-        if (m->weight_bf16)
+        if (m->weight_palette) { /* row token % 4 of tile token / 4, chunk by chunk */
+            const PaletteWeight *w = m->embed;
+            __m256i hi, lo;
+            palette_tables(w, &hi, &lo);
+            long tile = token_ids[t] / TILE_ROWS, first = tile * (h / TILE_COLS);
+            const uint8_t *v = w->verbatim + 64L * w->tile_verbatim[tile];
+            uint16_t chunk[TILE_COLS * TILE_ROWS];
+            for (int k = 0; k < h / TILE_COLS; k++) {
+                int flagged = w->flags[first + k];
+                palette_chunk(w->chunks + (first + k) * PALETTE_CHUNK, flagged ? v : NULL, hi,
+                              lo, chunk);
+                v += 64 * flagged;
+                __m256 a, b;
+                load_chunk(chunk, TILE_COLS * (token_ids[t] % TILE_ROWS), 1, &a, &b);
+                _mm256_storeu_ps(xt + k * TILE_COLS, a);
+                _mm256_storeu_ps(xt + k * TILE_COLS + 8, b);
+            }
+        } else if (m->weight_bf16)
             for (int i = 0; i < h; i++) xt[i] = bf16_to_f32(((const uint16_t *)m->embed)[row + i]);
         else
             for (int i = 0; i < h; i++) xt[i] = ((const float *)m->embed)[row + i];
@@ -356,7 +512,7 @@ int infire_forward(const InfireModel *m, int n, const int64_t *token_ids,
                    const int64_t *slots, const int32_t *seq_of_token,
                    const int32_t *block_tables, int max_blocks, int num_logits,
                    const int32_t *logit_rows, float *work, float *logits) {
-    int hd = m->head_dim, h = m->hidden, inter = m->intermediate, bf16 = m->weight_bf16;
+    int hd = m->head_dim, h = m->hidden, inter = m->intermediate;
     int q = m->num_heads * hd, width = (m->num_heads + 2 * m->num_kv_heads) * hd;
     float *x = work, *normed = x + (long)n * h, *qkv = normed + (long)n * h;
     float *attn = qkv + (long)n * width, *gate_up = attn + (long)n * q;
@@ -366,20 +522,20 @@ int infire_forward(const InfireModel *m, int n, const int64_t *token_ids,
         embed_tokens(m, token_ids, n, x);
         for (int l = 0; l < m->num_layers; l++) {
             rms_norm(x, m->norm1[l], normed, n, h, m->eps);
-            linear(m->qkv[l], bf16, m->qkv_bias[l], normed, n, h, qkv, width, width, 0);
+            linear(m, m->qkv[l], m->qkv_bias[l], normed, n, h, qkv, width, width, 0);
             rope_and_store(m, l, qkv, n, cos, sin, slots);
             attention(m, l, qkv, n, positions, seq_of_token, block_tables, max_blocks, attn);
-            linear(m->o_proj[l], bf16, NULL, attn, n, q, x, h, h, 1);
+            linear(m, m->o_proj[l], NULL, attn, n, q, x, h, h, 1);
             rms_norm(x, m->norm2[l], normed, n, h, m->eps);
-            linear(m->gate_up[l], bf16, NULL, normed, n, h, gate_up, 2 * inter, 2 * inter, 0);
+            linear(m, m->gate_up[l], NULL, normed, n, h, gate_up, 2 * inter, 2 * inter, 0);
             silu_mul(gate_up, n, inter, act);
-            linear(m->down[l], bf16, NULL, act, n, inter, x, h, h, 1);
+            linear(m, m->down[l], NULL, act, n, inter, x, h, h, 1);
         }
 #pragma omp for schedule(static)
         for (int i = 0; i < num_logits; i++)
             for (int j = 0; j < h; j++) last[(long)i * h + j] = x[(long)logit_rows[i] * h + j];
         rms_norm(last, m->final_norm, normed, num_logits, h, m->eps);
-        linear(m->lm_head, bf16, NULL, normed, num_logits, h, logits, m->vocab, m->vocab, 0);
+        linear(m, m->lm_head, NULL, normed, num_logits, h, logits, m->vocab, m->vocab, 0);
     }
     return 0;
 }

@@ -14,11 +14,13 @@ import logging
 from functools import cache
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from infire.config import ModelConfig
 from infire.kernels.build import compile_library
 from infire.layers.rotary import RotaryEmbedding
+from infire.unweight import palette
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ class _Model(ctypes.Structure):
     _fields_ = [
         *((name, ctypes.c_int32) for name in (
             "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
-            "vocab", "block_size", "weight_bf16", "kv_bf16",
+            "vocab", "block_size", "weight_bf16", "kv_bf16", "weight_palette",
         )),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
@@ -49,6 +51,14 @@ class _Model(ctypes.Structure):
         ("lm_head", _ptr),
         ("kv_cache", _ptr),
     ]  # fmt: skip
+
+
+class _PaletteWeight(ctypes.Structure):
+    """Mirror of PaletteWeight in cpu_forward.c."""
+
+    _fields_ = [
+        (name, _ptr) for name in ("palette", "chunks", "flags", "verbatim", "tile_verbatim")
+    ]
 
 
 @cache
@@ -77,6 +87,53 @@ def tile_weight(weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype == torch.bfloat16:
         tiles = tiles.reshape(*tiles.shape[:-1], 2, 2, 4).transpose(-2, -3)
     return tiles.contiguous()
+
+
+def _palette_order() -> np.ndarray:
+    """Where each of a 4x16 tile chunk's 64 weights is stored in its palette chunk: two
+    halves (rows 0-1, rows 2-3) of 32, ordered so that unpacking the low and high bytes of
+    a half (low, high 128-bit lane pairs) gives its two rows in the bf16 tile layout."""
+    order = []
+    for half in range(2):
+        a, b = 2 * half, 2 * half + 1
+        for row, cols in ((a, 0), (a, 8), (b, 0), (b, 8), (a, 4), (a, 12), (b, 4), (b, 12)):
+            order += [row * TILE_COLS + cols + i for i in range(4)]
+    return np.array(order)
+
+
+_PALETTE_ORDER = _palette_order()
+
+
+def palette_tile_weight(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A bf16 [rows, cols] weight in the kernel's palette form (PaletteWeight in
+    cpu_forward.c): the 16 most common exponents, per 4x16 tile chunk 32 index bytes and 64
+    sign|mantissa bytes, and the exponents of chunks that leave the palette verbatim."""
+    rows, cols = weight.shape
+    bits = weight.detach().contiguous().view(torch.int16).numpy().view(np.uint16)
+    bits = np.concatenate([bits, np.zeros((-rows % TILE_ROWS, cols), dtype=np.uint16)])
+    tiles = len(bits) // TILE_ROWS
+    chunks = bits.reshape(tiles, TILE_ROWS, cols // TILE_COLS, TILE_COLS).transpose(0, 2, 1, 3)
+    stored = chunks.reshape(-1, TILE_ROWS * TILE_COLS)[:, _PALETTE_ORDER]
+    exponent = ((stored >> 7) & 0xFF).astype(np.uint8)
+    chosen = palette.choose(exponent)
+    lookup = np.full(256, 255, dtype=np.uint8)
+    lookup[chosen] = np.arange(len(chosen), dtype=np.uint8)
+    index = lookup[exponent]
+    outside = index == 255
+    flags = outside.any(axis=1)
+    index[outside] = 0
+    halves = index.reshape(-1, 2, 32)
+    packed = (halves[:, :, :16] | (halves[:, :, 16:] << 4)).reshape(-1, 32)
+    rest = (((stored >> 8) & 0x80) | (stored & 0x7F)).astype(np.uint8)
+    per_tile = flags.reshape(tiles, -1).sum(axis=1)
+    arrays = {
+        "palette": np.pad(chosen, (0, palette.PALETTE_SIZE - len(chosen))),
+        "chunks": np.concatenate([packed, rest], axis=1),
+        "flags": flags.astype(np.uint8),
+        "verbatim": exponent[flags],
+        "tile_verbatim": (np.cumsum(per_tile) - per_tile).astype(np.uint32),
+    }
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
 
 
 def available() -> bool:
@@ -116,23 +173,30 @@ class CpuForward:
     """A step's tokens, embedding to logits, in one C call.
 
     Holds its own tiled copies of the weights (the PyTorch model keeps its own for the
-    work this does not take: fp32 prefill, where oneDNN's GEMM is faster).
+    work this does not take: fp32 prefill, where oneDNN's GEMM is faster). With `palette`
+    (bf16 only) the matmul weights and the embedding are held in Unweight's palette form
+    instead, 12 bits a weight plus the chunks that need verbatim exponents.
     """
 
-    def __init__(self, lib: ctypes.CDLL, model: torch.nn.Module, kv_cache: torch.Tensor) -> None:
+    def __init__(
+        self, lib: ctypes.CDLL, model: torch.nn.Module, kv_cache: torch.Tensor, palette: bool
+    ) -> None:
         self.lib = lib
         config: ModelConfig = model.config
         self.vocab = config.vocab_size
+        bf16 = model.embed_tokens.weight.dtype == torch.bfloat16
+        self.palette = palette and bf16
         # In fp32 PyTorch's GEMM beats the kernel on prefill; in bf16 (no bf16 instructions
         # on AVX2 CPUs) the kernel is ~5x faster than PyTorch, so it takes prefill too.
-        self.takes_prefill = model.embed_tokens.weight.dtype == torch.bfloat16
+        self.takes_prefill = bf16
         # fp32 RoPE tables even when the model's buffers were cast to bf16
         rope = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.cos, self.sin = rope.cos, rope.sin
         layers = model.layers
-        keep: list[torch.Tensor] = []  # every tensor the struct points into
+        keep: list[torch.Tensor] = []  # every weight tensor the struct points into
+        structs: list[_PaletteWeight] = []
 
         def ptr(t: torch.Tensor | None) -> int | None:
             if t is None:
@@ -143,8 +207,18 @@ class CpuForward:
         def array(tensors: list[torch.Tensor | None]) -> ctypes.Array:
             return (_ptr * len(tensors))(*(ptr(t) for t in tensors))
 
+        def weight(w: torch.Tensor) -> int | None:
+            """A matmul weight in the kernel's form: tiled, or a PaletteWeight."""
+            if not self.palette:
+                return ptr(tile_weight(w.data))
+            arrays = palette_tile_weight(w.data)
+            structs.append(
+                _PaletteWeight(*(ptr(arrays[name]) for name, _ in _PaletteWeight._fields_))
+            )
+            return ctypes.addressof(structs[-1])
+
         def tiled(layer_weights: list[torch.Tensor]) -> ctypes.Array:
-            return array([tile_weight(w.data) for w in layer_weights])
+            return (_ptr * len(layer_weights))(*(weight(w) for w in layer_weights))
 
         def fp32(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.data.float().contiguous()
@@ -160,30 +234,44 @@ class CpuForward:
             array([fp32(layer.input_layernorm.weight) for layer in layers]),
             array([fp32(layer.post_attention_layernorm.weight) for layer in layers]),
         ]
+        lm_head = weight(model.lm_head.weight)
+        if not self.palette:
+            embed = ptr(model.embed_tokens.weight.data)
+        elif model.lm_head.weight is model.embed_tokens.weight:
+            embed = lm_head  # tied: tokens are embedded from the lm_head's palette tiles
+        else:
+            embed = weight(model.embed_tokens.weight)
         self.struct = _Model(
             config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
             config.num_key_value_heads, config.head_dim, config.intermediate_size,
-            config.vocab_size, kv_cache.shape[3], model.embed_tokens.weight.dtype == torch.bfloat16,
-            kv_cache.dtype == torch.bfloat16, config.rms_norm_eps, config.head_dim**-0.5,
-            kv_cache.shape[2], *self._arrays, ptr(fp32(model.norm.weight)),
-            ptr(model.embed_tokens.weight.data), ptr(tile_weight(model.lm_head.weight.data)),
-            ptr(kv_cache),
+            config.vocab_size, kv_cache.shape[3], bf16, kv_cache.dtype == torch.bfloat16,
+            self.palette, config.rms_norm_eps, config.head_dim**-0.5, kv_cache.shape[2],
+            *self._arrays, ptr(fp32(model.norm.weight)), embed, lm_head, kv_cache.data_ptr(),
         )  # fmt: skip
-        self._keep = keep
+        self._keep = [*keep, kv_cache]
+        self._structs = structs
+        # bytes of the weights this forward holds (each storage once)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in keep}
+        self.weight_bytes = sum(storages.values())
         self._workspace = torch.empty(0)
 
     @classmethod
     def build(
-        cls, model: torch.nn.Module, kv_cache: torch.Tensor, dtype: torch.dtype
+        cls,
+        model: torch.nn.Module,
+        kv_cache: torch.Tensor,
+        dtype: torch.dtype,
+        palette: bool = False,
     ) -> CpuForward | str:
-        """A fused forward for this model and pool, or the reason there cannot be one."""
+        """A fused forward for this model and pool (with `palette`, bf16 weights held in the
+        palette form), or the reason there cannot be one."""
         reason = unsupported_reason(model.config, dtype, kv_cache.device)
         if reason is not None:
             return reason
         lib = load_library()
         if isinstance(lib, str):
             return lib
-        return cls(lib, model, kv_cache)
+        return cls(lib, model, kv_cache, palette)
 
     def forward(
         self,

@@ -144,10 +144,11 @@ class LlamaForCausalLM(nn.Module):
         linears = [m for m in self.modules() if isinstance(m, LinearBase)]
         return all([m.pack_for_cpu() for m in linears])
 
-    def drop_matmul_weights(self) -> None:
-        """Free every matmul weight, for when a fused forward with its own copy runs the model."""
+    def drop_matmul_weights(self, embedding: bool = False) -> None:
+        """Free every matmul weight (and the embedding), for when a fused forward with its
+        own copy runs the model."""
         for module in self.modules():
-            if isinstance(module, LinearBase):
+            if isinstance(module, LinearBase) or (embedding and module is self.embed_tokens):
                 dtype = module.weight.dtype
                 module.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
 

@@ -34,6 +34,7 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     name: str
+    palette: bool = False  # an Unweight folder in the palette form (served compressed)
 
 
 def default_model_path() -> Path:
@@ -66,7 +67,14 @@ def load_model(model: str | Path | None, dtype: torch.dtype) -> LoadedModel:
             f"{path}: not a model folder or GGUF file (expected a folder with config.json "
             "and *.safetensors, or a .gguf file)"
         )
-    return LoadedModel(config, weights, tokenizer, name=path.stem if path.is_file() else path.name)
+    name = path.stem if path.is_file() else path.name
+    return LoadedModel(config, weights, tokenizer, name, palette=_palette_folder(path))
+
+
+def _palette_folder(path: Path) -> bool:
+    from infire.unweight.container import forms, is_unweight_folder
+
+    return is_unweight_folder(path) and "palette" in forms(path)
 
 
 def load_original(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:

@@ -3,18 +3,22 @@
 A float tensor is split into its exponent field (entropy-coded) and the rest (sign and
 mantissa, kept raw). Two forms:
 
-- `huffman` (distribution form; BF16, FP16, FP32): the exponents Huffman-coded in
-  independently decodable chunks (huffman.py), the rest bytes as they are.
+- `rans` (distribution form; BF16, FP16, FP32): the exponents rANS-coded in
+  independently decodable chunks of 8 interleaved streams (rans.py), the rest bytes as
+  they are.
 - `palette` (inference form; BF16): 12 bits per weight, rebuilt without branches
   (palette.py).
 
-Other dtypes are stored `raw`. Every compressed tensor records the SHA-256 of the
-original bytes; decompressing checks it, so damage is reported, never served.
+Other dtypes are stored `raw`. Every compressed tensor records the SHA-256 and the CRC32
+of the original bytes; decompressing checks one (CRC32 when loading: it runs at memory
+speed; SHA-256 when verifying), so damage is reported, never served.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,9 +26,10 @@ import numpy as np
 import torch
 
 from infire.errors import InfireError
-from infire.unweight import huffman, palette
+from infire.unweight import palette, rans
 
-FORMS = ("huffman", "palette", "raw")
+FORMS = ("rans", "palette", "raw")
+CHECKS = ("crc32", "sha256")
 
 
 class UnweightError(InfireError):
@@ -44,10 +49,11 @@ _NUMPY_UINT = {torch.uint16: np.uint16, torch.uint32: np.uint32}
 class CompressedTensor:
     """One tensor in compressed form: named uint8-viewable arrays plus JSON metadata."""
 
-    form: str  # huffman | palette | raw
+    form: str  # rans | palette | raw
     dtype: str  # the original torch dtype's name, e.g. "bfloat16"
     shape: tuple[int, ...]
     sha256: str  # of the original bytes (little-endian, C order)
+    crc32: int  # zlib.crc32 of the same bytes
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -69,14 +75,14 @@ def _raw_bytes(t: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).numpy() if flat.numel() else np.zeros(0, dtype=np.uint8)
 
 
-def compress_tensor(t: torch.Tensor, form: str = "huffman") -> CompressedTensor:
-    """Compress one tensor losslessly (palette applies to BF16; other floats use huffman;
+def compress_tensor(t: torch.Tensor, form: str = "rans") -> CompressedTensor:
+    """Compress one tensor losslessly (palette applies to BF16; other floats use rans;
     `raw` stores the bytes as they are)."""
     if form not in FORMS:
         raise UnweightError(f"unknown form {form!r} (expected one of {', '.join(FORMS)})")
     raw = _raw_bytes(t)
     base = dict(dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape),
-                sha256=hashlib.sha256(raw.tobytes()).hexdigest())  # fmt: skip
+                sha256=hashlib.sha256(raw).hexdigest(), crc32=zlib.crc32(raw))  # fmt: skip
     if form == "raw" or t.dtype not in _FIELDS or t.numel() == 0:
         return CompressedTensor("raw", **base, arrays={"data": raw})
     uint, shift, mask = _FIELDS[t.dtype]
@@ -94,12 +100,12 @@ def compress_tensor(t: torch.Tensor, form: str = "huffman") -> CompressedTensor:
                                 meta={"row": palette.ROW, **stats})  # fmt: skip
     rest = bits & ~np.array(mask << shift, dtype=bits.dtype)  # sign and mantissa in place
     rest = _pack_rest(rest, shift)
-    encoded = huffman.encode(exponent, huffman.code_lengths(counts))
+    encoded = rans.encode(exponent, rans.quantize(counts))
     arrays = {"stream": encoded.stream, "offsets": encoded.offsets, "rest": rest}
-    meta = {"code_lengths": {int(s): int(encoded.lengths[s])
-                             for s in np.flatnonzero(encoded.lengths)},
-            "chunk_symbols": huffman.CHUNK_SYMBOLS, **stats}  # fmt: skip
-    return CompressedTensor("huffman", **base, arrays=arrays, meta=meta)
+    meta = {"frequencies": {int(s): int(encoded.frequencies[s])
+                            for s in np.flatnonzero(encoded.frequencies)},
+            "chunk_symbols": rans.CHUNK_SYMBOLS, **stats}  # fmt: skip
+    return CompressedTensor("rans", **base, arrays=arrays, meta=meta)
 
 
 def _entropy(counts: np.ndarray) -> float:
@@ -111,6 +117,8 @@ def _entropy(counts: np.ndarray) -> float:
 def _pack_rest(rest: np.ndarray, shift: int) -> np.ndarray:
     """Sign and mantissa (shift + 1 bits a weight): whole low bytes, then the leftover high
     bits of every weight packed MSB-first (FP16: one byte and 3 bits a weight)."""
+    if rest.dtype == np.uint16 and shift == 7:  # BF16, the common case, in one pass
+        return (((rest >> 8) & 0x80) | (rest & 0x7F)).astype(np.uint8)
     width = rest.dtype.itemsize * 8
     value = ((rest >> (width - 1)).astype(np.uint32) << shift) | (rest & ((1 << shift) - 1))
     value = value.astype(np.uint32)
@@ -143,51 +151,62 @@ def _rest_nbytes(shift: int, count: int) -> int:
     return count * whole + (count * extra + 7) // 8
 
 
-def decompress_tensor(c: CompressedTensor, name: str = "tensor") -> torch.Tensor:
-    """The original tensor, bit for bit; UnweightError naming `name` if it cannot be."""
+def decompress_tensor(
+    c: CompressedTensor, name: str = "tensor", check: str = "crc32"
+) -> torch.Tensor:
+    """The original tensor, bit for bit (checked against the recorded CRC32 or SHA-256);
+    UnweightError naming `name` if it cannot be."""
+    if check not in CHECKS:
+        raise UnweightError(f"unknown check {check!r} (expected one of {', '.join(CHECKS)})")
     dtype = _dtype(c.dtype)
     try:
-        raw = _decode(c, dtype, name)
+        raw, crc = _decode(c, dtype, name)
     except (KeyError, ValueError, IndexError, TypeError) as e:
         raise UnweightError(f"{name}: malformed {c.form} data ({type(e).__name__}: {e})") from None
-    except huffman.CorruptStreamError as e:
+    except rans.CorruptStreamError as e:
         raise UnweightError(str(e)) from None
-    if hashlib.sha256(raw.tobytes()).hexdigest() != c.sha256:
-        raise UnweightError(f"{name}: decompressed bytes do not match the recorded SHA-256")
-    expected = int(np.prod(c.shape, dtype=np.int64)) * dtype.itemsize
+    expected = math.prod(c.shape) * dtype.itemsize
     if raw.size != expected:
         raise UnweightError(f"{name}: {raw.size} bytes decoded for shape {list(c.shape)}")
+    if check == "crc32" and (zlib.crc32(raw) if crc is None else crc) != c.crc32:
+        raise UnweightError(f"{name}: decompressed bytes do not match the recorded CRC32")
+    if check == "sha256" and hashlib.sha256(raw).hexdigest() != c.sha256:
+        raise UnweightError(f"{name}: decompressed bytes do not match the recorded SHA-256")
     if raw.size == 0:
         return torch.empty(c.shape, dtype=dtype)
     return torch.from_numpy(raw).view(dtype).reshape(c.shape)
 
 
-def _decode(c: CompressedTensor, dtype: torch.dtype, name: str) -> np.ndarray:
-    count = int(np.prod(c.shape, dtype=np.int64))
+def _decode(c: CompressedTensor, dtype: torch.dtype, name: str) -> tuple[np.ndarray, int | None]:
+    """The tensor's bytes, and their CRC-32 when the decoder computed it on the way."""
+    count = math.prod(c.shape)
     if c.form == "raw":
-        return np.array(c.arrays["data"], dtype=np.uint8)  # a copy: the result owns its bytes
+        return np.array(c.arrays["data"], dtype=np.uint8), None  # a copy: owns its bytes
     uint, shift, mask = _FIELDS[dtype]
     np_uint = _NUMPY_UINT[uint]
     if c.form == "palette":
         a = c.arrays
         p = palette.Palette(a["palette"], a["indices"], a["rest"], a["rows"],
                             a["verbatim"].reshape(-1, palette.ROW), count)  # fmt: skip
-        return palette.decode(p).view(np.uint8)
-    if c.form != "huffman":
+        return palette.decode(p).view(np.uint8), None
+    if c.form != "rans":
         raise UnweightError(f"{name}: unknown form {c.form!r}")
-    lengths = np.zeros(256, dtype=np.uint8)
-    for symbol, length in c.meta["code_lengths"].items():
-        lengths[int(symbol)] = length
-    if int(c.meta["chunk_symbols"]) != huffman.CHUNK_SYMBOLS:
+    if int(c.meta["chunk_symbols"]) != rans.CHUNK_SYMBOLS:
         raise UnweightError(f"{name}: chunk size {c.meta['chunk_symbols']} is not supported")
-    encoded = huffman.Encoded(lengths, c.arrays["stream"], c.arrays["offsets"], count)
+    frequencies = np.zeros(256, dtype=np.uint32)
+    for symbol, frequency in c.meta["frequencies"].items():
+        if not 0 < int(frequency) <= rans.PROB_SCALE:
+            raise UnweightError(f"{name}: symbol frequency {frequency} out of range")
+        frequencies[int(symbol)] = int(frequency)
+    encoded = rans.Encoded(frequencies, c.arrays["stream"], c.arrays["offsets"], count)
     if dtype == torch.bfloat16:  # one pass: exponents decoded straight into the weights
-        return huffman.decode(encoded, name, bf16_rest=c.arrays["rest"]).view(np.uint8)
-    exponent = huffman.decode(encoded, name).astype(np_uint)
+        weights, crc = rans.decode_bf16(encoded, c.arrays["rest"], name)
+        return weights.view(np.uint8), crc
+    exponent = rans.decode(encoded, name).astype(np_uint)
     if len(c.arrays["rest"]) != _rest_nbytes(shift, count):
         raise UnweightError(f"{name}: sign/mantissa data has the wrong size for {count} weights")
     rest = _unpack_rest(c.arrays["rest"], shift, count, np_uint)
-    return ((exponent << shift) | rest).astype(np_uint).view(np.uint8)
+    return ((exponent << shift) | rest).astype(np_uint).view(np.uint8), None
 
 
 def __getattr__(name: str) -> Any:

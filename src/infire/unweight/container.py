@@ -3,8 +3,8 @@
 
 Each compressed tensor NAME contributes tensors `NAME::ARRAY` (its arrays, as raw bytes);
 the header's `__metadata__["unweight"]` is a JSON object with the format version and, per
-tensor, its form, original dtype and shape, SHA-256, form metadata (code lengths,
-palette stats, ...) and each array's numpy dtype and shape. docs/unweight-format.md has
+tensor, its form, original dtype and shape, SHA-256 and CRC32, form metadata (symbol
+frequencies, palette stats, ...) and each array's numpy dtype and shape. docs/unweight-format.md has
 every byte.
 """
 
@@ -26,7 +26,7 @@ from infire.unweight import CompressedTensor, UnweightError, compress_tensor, de
 
 WEIGHTS_FILE = "unweight.safetensors"
 FORMAT = "unweight"
-VERSION = 1
+VERSION = 2
 TENSOR_SETS = ("all", "linear", "mlp")
 _LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -54,7 +54,7 @@ def save(tensors: dict[str, CompressedTensor], folder: Path) -> Path:
     index = {}
     for name, c in tensors.items():
         entry = {"form": c.form, "dtype": c.dtype, "shape": list(c.shape), "sha256": c.sha256,
-                 "meta": c.meta, "arrays": {}}  # fmt: skip
+                 "crc32": c.crc32, "meta": c.meta, "arrays": {}}  # fmt: skip
         for key, array in c.arrays.items():
             array = np.ascontiguousarray(array)
             entry["arrays"][key] = {"dtype": array.dtype.str, "shape": list(array.shape)}
@@ -89,7 +89,8 @@ def load(folder: Path) -> dict[str, CompressedTensor]:
                     arrays[key] = raw.view(np.dtype(spec["dtype"])).reshape(spec["shape"])
                 tensors[name] = CompressedTensor(entry["form"], entry["dtype"],
                                                  tuple(entry["shape"]), entry["sha256"],
-                                                 arrays, entry["meta"])  # fmt: skip
+                                                 int(entry["crc32"]), arrays,
+                                                 entry["meta"])  # fmt: skip
     except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
         raise UnweightError(f"{path}: cannot read: {type(e).__name__}: {e}") from None
     return tensors
@@ -98,7 +99,8 @@ def load(folder: Path) -> dict[str, CompressedTensor]:
 def decompress_all(
     tensors: dict[str, CompressedTensor], progress: bool = True, desc: str = "decompressing"
 ) -> dict[str, torch.Tensor]:
-    """Every tensor decoded (in parallel threads; the C decoder releases the GIL)."""
+    """Every tensor decoded and checked against its CRC32 (in parallel threads; the C
+    decoder and zlib release the GIL)."""
     names = list(tensors)
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = pool.map(lambda n: decompress_tensor(tensors[n], n), names)
@@ -110,7 +112,7 @@ def decompress_all(
 def compress_model(
     src: Path,
     dst: Path,
-    form: str = "huffman",
+    form: str = "rans",
     tensors: str = "all",
     progress: bool = True,
     report: Callable[[str], None] | None = None,
@@ -155,7 +157,7 @@ def verify(dst: Path, against: Path | None = None, progress: bool = True) -> lis
     tensors = load(dst)
     for name, c in tqdm(tensors.items(), desc="verifying", disable=not progress, unit="tensor"):
         try:
-            decompress_tensor(c, name)
+            decompress_tensor(c, name, check="sha256")
         except UnweightError as e:
             problems.append(str(e))
     if against is not None:
@@ -187,3 +189,15 @@ def inspect_rows(tensors: dict[str, CompressedTensor]) -> Iterator[dict]:
             "palette_coverage": c.meta.get("palette_coverage"),
             "verbatim_row_share": c.meta.get("verbatim_row_share"),
         }  # fmt: skip
+
+
+def forms(folder: Path) -> set[str]:
+    """The forms of a compressed folder's tensors (from the header; nothing is read)."""
+    try:
+        with safe_open(str(folder / WEIGHTS_FILE), framework="numpy") as f:
+            header = json.loads((f.metadata() or {}).get(FORMAT, "null"))
+        return {entry["form"] for entry in header["tensors"].values()}
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
+        raise UnweightError(
+            f"{folder / WEIGHTS_FILE}: cannot read: {type(e).__name__}: {e}"
+        ) from None

@@ -30,14 +30,18 @@ class Palette:
     count: int  # weights
 
 
+def choose(exponent: np.ndarray) -> np.ndarray:
+    """The palette of a tensor: its (up to) 16 most common exponents, ascending."""
+    frequency = np.bincount(exponent.reshape(-1), minlength=256)
+    order = np.argsort(-frequency, kind="stable")
+    return np.sort(order[: min(PALETTE_SIZE, int(np.count_nonzero(frequency)))]).astype(np.uint8)
+
+
 def encode(bits: np.ndarray) -> Palette:
     """The palette form of BF16 values given as uint16."""
     bits = bits.reshape(-1)
     count = len(bits)
-    exponent = ((bits >> 7) & 0xFF).astype(np.uint8)
-    frequency = np.bincount(exponent, minlength=256)
-    order = np.argsort(-frequency, kind="stable")
-    palette = np.sort(order[: min(PALETTE_SIZE, int(np.count_nonzero(frequency)))]).astype(np.uint8)
+    palette = choose(((bits >> 7) & 0xFF).astype(np.uint8))
     lookup = np.full(256, 255, dtype=np.uint8)
     lookup[palette] = np.arange(len(palette), dtype=np.uint8)
     pad = (-count) % ROW
