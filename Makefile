@@ -44,3 +44,4 @@ bench-serve: install
 
 bench-unweight: install
 	$(BIN)/python benchmarks/bench_unweight.py
+	$(BIN)/python benchmarks/bench_unweight_serving.py

@@ -108,7 +108,10 @@ def test_chunk_boundaries(n: int):
     t = (torch.randn(n) * 0.02).to(torch.bfloat16)
     c = round_trip(t, "rans")
     offsets = c.arrays["offsets"]
-    assert len(offsets) == -(-n // rans.CHUNK_SYMBOLS) + 1
+    chunk = c.meta["chunk_symbols"]
+    # one chunk up to 65536 symbols; beyond, a multiple of 4 chunks (2 threads x 2 chunks)
+    assert chunk == {65535: 65536, 65536: 65536, 65537: 16448, 8 * 65536 + 3: 43712}[n]
+    assert len(offsets) == -(-n // chunk) + 1
     assert offsets[0] == 0 and offsets[-1] == len(c.arrays["stream"])
     for begin in offsets[:-1]:  # every chunk opens with its 8 states, each in [2^16, 2^32)
         states = c.arrays["stream"][int(begin) : int(begin) + 32].view("<u4")
@@ -116,7 +119,7 @@ def test_chunk_boundaries(n: int):
     freq = np.zeros(256, dtype=np.uint32)
     for symbol, frequency in c.meta["frequencies"].items():
         freq[symbol] = frequency
-    encoded = rans.Encoded(freq, c.arrays["stream"], offsets, n)
+    encoded = rans.Encoded(freq, c.arrays["stream"], offsets, n, chunk)
     expected = zlib.crc32(t.view(torch.int16).numpy())
     for simd in (True, False):  # AVX2 (pairs of chunks) where the CPU has it, and scalar
         weights, crc = rans.decode_bf16(encoded, c.arrays["rest"], simd=simd)
@@ -185,13 +188,15 @@ def test_numpy_coder_writes_and_reads_the_bytes_of_the_c_coder():
     assert not isinstance(rans._library(), str), "a C compiler is part of the test setup"
     for symbols in _symbol_cases():
         encoded = rans.encode(symbols)
-        chunks = rans._encode_numpy(symbols, encoded.frequencies)
+        chunks = rans._encode_numpy(symbols, encoded.frequencies, encoded.chunk)
         assert np.array_equal(np.concatenate(chunks), encoded.stream)
         assert np.array_equal(rans.decode(encoded), symbols)
         assert np.array_equal(rans.decode(encoded, simd=False), symbols)  # scalar C code
         out = np.empty(len(symbols), dtype=np.uint8)
         table = rans.decode_table(encoded.frequencies)
-        assert not rans._decode_numpy(encoded.stream, encoded.offsets, len(symbols), table, out)
+        assert not rans._decode_numpy(
+            encoded.stream, encoded.offsets, len(symbols), encoded.chunk, table, out
+        )
         assert np.array_equal(out, symbols)
 
 
@@ -255,7 +260,7 @@ def test_the_decoder_itself_finds_a_flipped_stream_byte(compressed, index: int, 
         freq[int(symbol)] = frequency
     stream = c.arrays["stream"].copy()
     stream[index] ^= 0x5A
-    encoded = rans.Encoded(freq, stream, c.arrays["offsets"], 400 * 500)
+    encoded = rans.Encoded(freq, stream, c.arrays["offsets"], 400 * 500, c.meta["chunk_symbols"])
     with pytest.raises(rans.CorruptStreamError, match="w: the rANS stream"):
         rans.decode_bf16(encoded, c.arrays["rest"], "w", simd=simd)
 
@@ -283,6 +288,10 @@ def test_truncated_or_inconsistent_data_is_an_error(compressed):
     frequencies[top] -= 2
     with pytest.raises(UnweightError, match="w: "):
         decompress_tensor(dataclasses.replace(c, meta={**c.meta, "frequencies": frequencies}), "w")
+    for chunk in (100, 1 << 17, c.meta["chunk_symbols"] + 8):  # odd, too big, disagreeing
+        odd = dataclasses.replace(c, meta={**c.meta, "chunk_symbols": chunk})
+        with pytest.raises(UnweightError, match="w: (chunk|the rANS stream)"):
+            decompress_tensor(odd, "w")
     missing = dataclasses.replace(c, arrays={k: v for k, v in c.arrays.items() if k != "rest"})
     with pytest.raises(UnweightError, match="w: malformed"):
         decompress_tensor(missing, "w")

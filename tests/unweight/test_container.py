@@ -27,20 +27,24 @@ def infire(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=600)  # fmt: skip
 
 
-def greedy(model: str, prompts: list[str], tokens: int = 32) -> list[list[int]]:
+def served(model: str, prompts: list[str], tokens: int = 32) -> tuple[list[list[int]], LLM]:
+    """Greedy tokens from `model` served in bfloat16, and the LLM that made them."""
     llm = LLM(model, dtype="bfloat16", num_blocks=128)
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)], llm
 
 
 @pytest.fixture(scope="module")
-def smollm2_bf16_tokens(smollm2_path: Path) -> list[list[int]]:
-    return greedy(str(smollm2_path), PROMPTS)
+def smollm2_bf16(smollm2_path: Path) -> tuple[list[list[int]], int]:
+    """The GGUF's greedy tokens in bfloat16, and the weight bytes its fused forward holds."""
+    tokens, llm = served(str(smollm2_path), PROMPTS)
+    return tokens, llm.engine.runner.fused.weight_bytes
 
 
 def test_compressed_smollm2_generates_the_same_tokens(
-    smollm2_path: Path, smollm2_bf16_tokens: list[list[int]], tmp_path: Path
+    smollm2_path: Path, smollm2_bf16: tuple[list[list[int]], int], tmp_path: Path
 ):
+    smollm2_bf16_tokens, bf16_bytes = smollm2_bf16
     rans_dir = tmp_path / "smol-rans"
     done = infire("compress", str(smollm2_path), str(rans_dir))
     assert done.returncode == 0, done.stderr
@@ -49,7 +53,16 @@ def test_compressed_smollm2_generates_the_same_tokens(
     compress_model(smollm2_path, palette_dir, "palette", progress=False)
     for folder in (rans_dir, palette_dir):
         assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
-        assert greedy(str(folder), PROMPTS) == smollm2_bf16_tokens
+        tokens, llm = served(str(folder), PROMPTS)
+        assert tokens == smollm2_bf16_tokens
+        runner = llm.engine.runner
+        if folder == palette_dir:  # held compressed: 205 of the bf16 forward's 326 MB
+            assert runner.fused_status == "active, palette weights"
+            assert runner.fused.weight_bytes < 0.65 * bf16_bytes
+        else:
+            assert runner.fused_status == "active"
+            assert runner.fused.weight_bytes == bf16_bytes
+        del llm, runner
     done = infire("verify", str(palette_dir), "--against", str(smollm2_path))
     assert done.returncode == 0, done.stderr
     assert "every tensor decodes" in done.stdout

@@ -104,7 +104,7 @@ def compress_tensor(t: torch.Tensor, form: str = "rans") -> CompressedTensor:
     arrays = {"stream": encoded.stream, "offsets": encoded.offsets, "rest": rest}
     meta = {"frequencies": {int(s): int(encoded.frequencies[s])
                             for s in np.flatnonzero(encoded.frequencies)},
-            "chunk_symbols": rans.CHUNK_SYMBOLS, **stats}  # fmt: skip
+            "chunk_symbols": encoded.chunk, **stats}  # fmt: skip
     return CompressedTensor("rans", **base, arrays=arrays, meta=meta)
 
 
@@ -191,14 +191,13 @@ def _decode(c: CompressedTensor, dtype: torch.dtype, name: str) -> tuple[np.ndar
         return palette.decode(p).view(np.uint8), None
     if c.form != "rans":
         raise UnweightError(f"{name}: unknown form {c.form!r}")
-    if int(c.meta["chunk_symbols"]) != rans.CHUNK_SYMBOLS:
-        raise UnweightError(f"{name}: chunk size {c.meta['chunk_symbols']} is not supported")
     frequencies = np.zeros(256, dtype=np.uint32)
     for symbol, frequency in c.meta["frequencies"].items():
         if not 0 < int(frequency) <= rans.PROB_SCALE:
             raise UnweightError(f"{name}: symbol frequency {frequency} out of range")
         frequencies[int(symbol)] = int(frequency)
-    encoded = rans.Encoded(frequencies, c.arrays["stream"], c.arrays["offsets"], count)
+    encoded = rans.Encoded(frequencies, c.arrays["stream"], c.arrays["offsets"], count,
+                           int(c.meta["chunk_symbols"]))  # fmt: skip
     if dtype == torch.bfloat16:  # one pass: exponents decoded straight into the weights
         weights, crc = rans.decode_bf16(encoded, c.arrays["rest"], name)
         return weights.view(np.uint8), crc

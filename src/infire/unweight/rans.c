@@ -264,12 +264,67 @@ static inline uint32_t crc_update(const uint32_t table[8][256], uint32_t crc, co
     return crc;
 }
 
+#ifdef AVX2_PATH
+/*
+ * The same CRC-32 16 bytes at a time with carry-less multiplication (PCLMULQDQ), ~5x the
+ * tables' speed: four 128-bit accumulators are folded forward over 64-byte blocks
+ * (multiplied by x^(512+32) and x^(512-32) mod P, reflected), folded into one, then
+ * reduced to 32 bits by Barrett reduction. The constants are those powers of x modulo
+ * P(x) = 0x104C11DB7 in the reflected bit order, P itself and floor(x^64 / P).
+ * Takes and returns the running (inverted) register like crc_update; len >= 64, len % 16
+ * == 0.
+ */
+__attribute__((target("pclmul,sse4.1"))) static uint32_t crc_update_clmul(uint32_t crc,
+                                                                          const uint8_t *p,
+                                                                          int64_t len) {
+    const __m128i fold4 = _mm_set_epi64x(0x01c6e41596, 0x0154442bd4);  // x^(512-32), x^(512+32)
+    const __m128i fold1 = _mm_set_epi64x(0x00ccaa009e, 0x01751997d0);  // x^(128-32), x^(128+32)
+    const __m128i fold64 = _mm_set_epi64x(0, 0x0163cd6124);            // x^64
+    const __m128i barrett = _mm_set_epi64x(0x01f7011641, 0x01db710641);  // x^64 / P, P
+    const __m128i low32 = _mm_setr_epi32(~0, 0, ~0, 0);
+    __m128i x[4];
+    for (int k = 0; k < 4; k++) x[k] = _mm_loadu_si128((const __m128i *)(p + 16 * k));
+    x[0] = _mm_xor_si128(x[0], _mm_cvtsi32_si128((int)crc));
+    for (p += 64, len -= 64; len >= 64; p += 64, len -= 64)
+        for (int k = 0; k < 4; k++) {
+            __m128i lo = _mm_clmulepi64_si128(x[k], fold4, 0x00);
+            __m128i hi = _mm_clmulepi64_si128(x[k], fold4, 0x11);
+            x[k] = _mm_xor_si128(_mm_xor_si128(lo, hi),
+                                 _mm_loadu_si128((const __m128i *)(p + 16 * k)));
+        }
+    __m128i a = x[0];
+    for (int k = 1; k < 4; k++)
+        a = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(a, fold1, 0x00),
+                                        _mm_clmulepi64_si128(a, fold1, 0x11)), x[k]);
+    for (; len >= 16; p += 16, len -= 16)
+        a = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(a, fold1, 0x00),
+                                        _mm_clmulepi64_si128(a, fold1, 0x11)),
+                          _mm_loadu_si128((const __m128i *)p));
+    // 128 -> 64 bits, then 64 -> 32 (Barrett)
+    a = _mm_xor_si128(_mm_srli_si128(a, 8), _mm_clmulepi64_si128(a, fold1, 0x10));
+    a = _mm_xor_si128(_mm_srli_si128(a, 4),
+                      _mm_clmulepi64_si128(_mm_and_si128(a, low32), fold64, 0x00));
+    __m128i t = _mm_clmulepi64_si128(_mm_and_si128(a, low32), barrett, 0x10);
+    t = _mm_clmulepi64_si128(_mm_and_si128(t, low32), barrett, 0x00);
+    return (uint32_t)_mm_extract_epi32(_mm_xor_si128(a, t), 1);
+}
+#endif
+
 static uint32_t crc_multiply(uint32_t a, uint32_t b);
 static uint32_t crc_shift(uint64_t len);
 
 /* CRC-32 of len bytes. Each 8-byte step waits for the previous one, so four quarters
  * are checked side by side (4 independent chains, ~2x faster) and then joined. */
-static uint32_t crc32_of(const uint32_t table[8][256], const uint8_t *p, int64_t len) {
+static uint32_t crc32_of(const uint32_t table[8][256], const uint8_t *p, int64_t len,
+                         int clmul) {
+#ifdef AVX2_PATH
+    if (clmul && len >= 64) {
+        int64_t body = len & ~(int64_t)15;
+        return ~crc_update(table, crc_update_clmul(0xFFFFFFFFu, p, body), p + body, len - body);
+    }
+#else
+    (void)clmul;
+#endif
     int64_t part = (len / 4) & ~(int64_t)7;
     if (part < 1024) return ~crc_update(table, 0xFFFFFFFFu, p, len);
     uint32_t c[4] = {0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu};
@@ -311,6 +366,7 @@ typedef struct {
     uint32_t *crcs;  // per chunk, with rest
     const uint32_t (*crc_table)[256];
     const int32_t (*lanes)[8];  // NULL: scalar code only
+    int clmul;                  // CRC-32 with PCLMULQDQ
 } Job;
 
 static int64_t chunk_count(const Job *job, int64_t c) {
@@ -327,7 +383,7 @@ static void emit_chunk(const Job *job, int64_t c, const uint8_t *sym) {
     uint16_t *w = (uint16_t *)job->out + first;
     for (int64_t k = 0; k < count; k++)  // vectorizes
         w[k] = (uint16_t)((r[k] & 0x80) << 8) | (uint16_t)(sym[k] << 7) | (r[k] & 0x7F);
-    job->crcs[c] = crc32_of(job->crc_table, (const uint8_t *)w, 2 * count);
+    job->crcs[c] = crc32_of(job->crc_table, (const uint8_t *)w, 2 * count, job->clmul);
 }
 
 /* Chunks c and, with the AVX2 path, c + 1; the number that did not decode exactly. */
@@ -377,7 +433,7 @@ int64_t unweight_rans_decode(const uint8_t *stream, const uint64_t *offsets, int
     uint32_t crc_table[8][256];
     int64_t num_chunks = (n + chunk - 1) / chunk, bad = 0;
     Job job = {stream, offsets, n, chunk, num_chunks, table, rest, out, NULL,
-               (const uint32_t(*)[256])crc_table, NULL};
+               (const uint32_t(*)[256])crc_table, NULL, 0};
 #ifdef AVX2_PATH
     int32_t lanes[256][8];
     if (simd && num_chunks > 1 && __builtin_cpu_supports("avx2") &&
@@ -385,6 +441,7 @@ int64_t unweight_rans_decode(const uint8_t *stream, const uint64_t *offsets, int
         refill_lanes(lanes);
         job.lanes = (const int32_t(*)[8])lanes;
     }
+    job.clmul = simd && __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
 #else
     (void)simd;
 #endif

@@ -1,7 +1,7 @@
 """Interleaved rANS coding of byte symbols with 12-bit probabilities, in chunks.
 
 `encode(symbols)` quantizes the symbol counts to frequencies summing to 4096 and codes
-the symbols in chunks of CHUNK_SYMBOLS, each an independent stream of 8 interleaved
+the symbols in chunks of at most CHUNK_SYMBOLS (chunk_size), each an independent stream of 8 interleaved
 32-bit states (symbol i uses state i % 8) renormalized in 16-bit words, so chunks decode
 in parallel (threads here, GPU blocks later) and each thread has 8 independent
 dependency chains. A decode step is one lookup in a packed 4096-entry table, a multiply
@@ -47,6 +47,7 @@ class Encoded:
     stream: np.ndarray  # uint8: every chunk's states and words, back to back
     offsets: np.ndarray  # [num_chunks + 1] uint64: byte where each chunk starts, then the end
     count: int  # symbols
+    chunk: int = CHUNK_SYMBOLS  # symbols per chunk (the last chunk may have fewer)
 
 
 def quantize(counts: np.ndarray) -> np.ndarray:
@@ -98,59 +99,73 @@ def single_symbol(frequencies: np.ndarray) -> int | None:
     return top if int(frequencies[top]) == PROB_SCALE else None
 
 
+def chunk_size(n: int) -> int:
+    """Symbols per chunk for n symbols: at most CHUNK_SYMBOLS, a multiple of 64, and, for
+    more than one chunk, about a multiple of 4 chunks (two threads, each decoding two
+    chunks side by side), so that no thread is left with one more chunk than the other."""
+    chunks = -(-n // CHUNK_SYMBOLS)
+    if chunks <= 1:
+        return CHUNK_SYMBOLS
+    chunks = -(-chunks // 4) * 4
+    return -(-n // (chunks * 64)) * 64
+
+
 def encode(symbols: np.ndarray, frequencies: np.ndarray | None = None) -> Encoded:
     """rANS-code a uint8 array (with its own quantized frequencies unless given)."""
     symbols = np.ascontiguousarray(symbols, dtype=np.uint8).reshape(-1)
+    chunk = chunk_size(len(symbols))
     if frequencies is None:
         frequencies = quantize(np.bincount(symbols, minlength=256))
     frequencies = np.ascontiguousarray(frequencies, dtype=np.uint32)
     if single_symbol(frequencies) is not None or len(symbols) == 0:
         empty = np.zeros(0, dtype=np.uint64)
-        return Encoded(frequencies, np.zeros(0, dtype=np.uint8), empty, len(symbols))
+        return Encoded(frequencies, np.zeros(0, dtype=np.uint8), empty, len(symbols), chunk)
     lib = _library()
     if isinstance(lib, str):
         if np.any(frequencies[np.bincount(symbols, minlength=256) > 0] == 0):
             raise ValueError("a symbol to encode has frequency 0")
-        chunks = _encode_numpy(symbols, frequencies)
+        chunks = _encode_numpy(symbols, frequencies, chunk)
     else:
-        chunks = _encode_c(lib, symbols, frequencies)
+        chunks = _encode_c(lib, symbols, frequencies, chunk)
     sizes = np.array([len(c) for c in chunks], dtype=np.uint64)
     offsets = np.concatenate([np.zeros(1, dtype=np.uint64), np.cumsum(sizes, dtype=np.uint64)])
-    return Encoded(frequencies, np.concatenate(chunks), offsets, len(symbols))
+    return Encoded(frequencies, np.concatenate(chunks), offsets, len(symbols), chunk)
 
 
-def _num_chunks(n: int) -> int:
-    return (n + CHUNK_SYMBOLS - 1) // CHUNK_SYMBOLS
+def _num_chunks(n: int, chunk: int) -> int:
+    return (n + chunk - 1) // chunk
 
 
 def _ptr(a: np.ndarray) -> ctypes.c_void_p:
     return ctypes.c_void_p(a.ctypes.data)
 
 
-def _encode_c(lib: ctypes.CDLL, symbols: np.ndarray, freq: np.ndarray) -> list[np.ndarray]:
-    num_chunks = _num_chunks(len(symbols))
-    region = HEADER_BYTES + 2 * CHUNK_SYMBOLS
+def _encode_c(
+    lib: ctypes.CDLL, symbols: np.ndarray, freq: np.ndarray, chunk: int
+) -> list[np.ndarray]:
+    num_chunks = _num_chunks(len(symbols), chunk)
+    region = HEADER_BYTES + 2 * chunk
     scratch = np.empty(num_chunks * region, dtype=np.uint8)
     sizes = np.empty(num_chunks, dtype=np.int64)
     cum = cumulative(freq)
     if lib.unweight_rans_encode(_ptr(symbols), ctypes.c_int64(len(symbols)),
-                                ctypes.c_int64(CHUNK_SYMBOLS), _ptr(freq), _ptr(cum),
+                                ctypes.c_int64(chunk), _ptr(freq), _ptr(cum),
                                 _ptr(scratch), _ptr(sizes)):  # fmt: skip
         raise ValueError("a symbol to encode has frequency 0")
     return [scratch[(c + 1) * region - int(sizes[c]) : (c + 1) * region] for c in range(num_chunks)]
 
 
-def _encode_numpy(symbols: np.ndarray, freq: np.ndarray) -> list[np.ndarray]:
+def _encode_numpy(symbols: np.ndarray, freq: np.ndarray, chunk: int) -> list[np.ndarray]:
     """All chunks and states a group of 8 symbols at a time, backwards (as rans.c does)."""
-    n, num_chunks = len(symbols), _num_chunks(len(symbols))
-    counts = np.minimum(CHUNK_SYMBOLS, n - np.arange(num_chunks) * CHUNK_SYMBOLS)
-    grid = np.zeros(num_chunks * CHUNK_SYMBOLS, dtype=np.uint8)
+    n, num_chunks = len(symbols), _num_chunks(len(symbols), chunk)
+    counts = np.minimum(chunk, n - np.arange(num_chunks) * chunk)
+    grid = np.zeros(num_chunks * chunk, dtype=np.uint8)
     grid[:n] = symbols
-    grid = grid.reshape(num_chunks, CHUNK_SYMBOLS // STATES, STATES)
+    grid = grid.reshape(num_chunks, chunk // STATES, STATES)
     freq64, cum64 = freq.astype(np.uint64), cumulative(freq).astype(np.uint64)
     x = np.full((num_chunks, STATES), STATE_LOW, dtype=np.uint64)
-    words = np.zeros((num_chunks, CHUNK_SYMBOLS), dtype=np.uint16)  # filled from the end
-    pos = np.full(num_chunks, CHUNK_SYMBOLS, dtype=np.int64)
+    words = np.zeros((num_chunks, chunk), dtype=np.uint16)  # filled from the end
+    pos = np.full(num_chunks, chunk, dtype=np.int64)
     lane = np.arange(STATES)
     for g in range(-(-int(counts.max()) // STATES) - 1, -1, -1):
         active = g * STATES + lane[None, :] < counts[:, None]
@@ -208,6 +223,9 @@ def _decode(
     encoded: Encoded, name: str, rest: np.ndarray | None, simd: bool
 ) -> tuple[np.ndarray, int | None]:
     freq, stream, offsets, n = encoded.frequencies, encoded.stream, encoded.offsets, encoded.count
+    chunk = encoded.chunk
+    if not (STATES <= chunk <= CHUNK_SYMBOLS and chunk % STATES == 0):
+        raise CorruptStreamError(f"{name}: chunk size {chunk} is not supported")
     freq = np.ascontiguousarray(freq, dtype=np.uint32)
     if len(freq) != 256 or int(freq.sum()) != PROB_SCALE:
         raise CorruptStreamError(f"{name}: the symbol frequencies do not sum to {PROB_SCALE}")
@@ -219,7 +237,7 @@ def _decode(
         return (symbols if rest is None else _merge_bf16(symbols, rest)), None
     bounds = offsets.tolist()  # Python ints: cheaper than NumPy calls for a few chunks
     if (
-        len(bounds) != _num_chunks(n) + 1
+        len(bounds) != _num_chunks(n, chunk) + 1
         or n == 0
         or bounds[0] != 0
         or bounds[-1] != len(stream)
@@ -232,13 +250,13 @@ def _decode(
     crc = None
     if isinstance(lib, str):
         symbols = np.empty(n, dtype=np.uint8)
-        bad = _decode_numpy(stream, offsets, n, decode_table(freq), symbols)
+        bad = _decode_numpy(stream, offsets, n, chunk, decode_table(freq), symbols)
         out = symbols if rest is None else _merge_bf16(symbols, rest)
     else:
         out = np.empty(n, dtype=np.uint8 if rest is None else np.uint16)
         crc_out = ctypes.c_uint32(0)
         bad = lib.unweight_rans_decode(_ptr(stream), _ptr(offsets), ctypes.c_int64(n),
-                                       ctypes.c_int64(CHUNK_SYMBOLS), _ptr(freq),
+                                       ctypes.c_int64(chunk), _ptr(freq),
                                        None if rest is None else _ptr(rest), _ptr(out),
                                        ctypes.byref(crc_out), ctypes.c_int(simd))  # fmt: skip
         crc = None if rest is None else crc_out.value
@@ -253,19 +271,24 @@ def _merge_bf16(symbols: np.ndarray, rest: np.ndarray) -> np.ndarray:
 
 
 def _decode_numpy(
-    stream: np.ndarray, offsets: np.ndarray, n: int, table: np.ndarray, out: np.ndarray
+    stream: np.ndarray,
+    offsets: np.ndarray,
+    n: int,
+    chunk: int,
+    table: np.ndarray,
+    out: np.ndarray,
 ) -> bool:
     """All chunks and states a group of 8 symbols at a time (without a C compiler);
     True when some chunk does not decode exactly to its end."""
     num_chunks = len(offsets) - 1
-    counts = np.minimum(CHUNK_SYMBOLS, n - np.arange(num_chunks) * CHUNK_SYMBOLS)
+    counts = np.minimum(chunk, n - np.arange(num_chunks) * chunk)
     begin, end = offsets[:-1].astype(np.int64), offsets[1:].astype(np.int64)
     heads = stream[begin[:, None] + np.arange(HEADER_BYTES)]
     x = np.ascontiguousarray(heads).view("<u4").astype(np.uint64)  # [chunks, 8]
     if np.any(x < STATE_LOW):
         return True
     pos = begin + HEADER_BYTES
-    grid = np.zeros((num_chunks, CHUNK_SYMBOLS // STATES, STATES), dtype=np.uint8)
+    grid = np.zeros((num_chunks, chunk // STATES, STATES), dtype=np.uint8)
     lane = np.arange(STATES)
     padded = np.concatenate([stream, np.zeros(2, dtype=np.uint8)]).astype(np.uint64)
     for g in range(-(-int(counts.max()) // STATES)):
