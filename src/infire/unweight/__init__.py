@@ -1,4 +1,4 @@
-"""Unweight: lossless compression of model weights (issue 4; the container comes next).
+"""Unweight: lossless compression of model weights (container.py has the model folder).
 
 A float tensor is split into its exponent field (entropy-coded) and the rest (sign and
 mantissa, kept raw). Two forms:
