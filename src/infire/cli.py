@@ -10,6 +10,7 @@ import re
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 from infire.config import CacheConfig, EngineConfig, SchedulerConfig
 from infire.engine.engine import LLMEngine
@@ -189,10 +190,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gateway(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from infire.gateway import create_app, load_config
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    config = load_config(Path(args.config))
+    app = create_app(config)
+    print(f"infire gateway: {len(config.providers)} providers, gateways "
+          f"{', '.join(config.gateways)}, log {config.store}, on http://{args.host}:{args.port}",
+          file=sys.stderr)  # fmt: skip
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     """Load-test an OpenAI-compatible server, or plot saved results side by side."""
     import json
-    from pathlib import Path
 
     from infire.bench import plot
     from infire.bench import serve as bench
@@ -332,7 +347,6 @@ def _add_bench_args(parser: argparse.ArgumentParser) -> None:
 
 def cmd_compress(args: argparse.Namespace) -> int:
     """Compress a model folder or GGUF into an Unweight folder."""
-    from pathlib import Path
 
     from infire.unweight.container import compress_model
 
@@ -346,7 +360,6 @@ def cmd_compress(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Decode every tensor of an Unweight folder and check it bit for bit."""
-    from pathlib import Path
 
     from infire.unweight.container import verify
 
@@ -363,7 +376,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Per-tensor and total sizes of an Unweight folder."""
-    from pathlib import Path
 
     from infire.unweight.container import inspect_rows, load
 
@@ -452,6 +464,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_bench_args(bench_serve)
     bench_serve.set_defaults(func=cmd_bench_serve)
+    gateway = commands.add_parser(
+        "gateway", help="AI gateway: one endpoint in front of many providers (gateway.toml)"
+    )
+    gateway.add_argument("--config", required=True, help="the gateway.toml to serve")
+    gateway.add_argument("--host", default="127.0.0.1", help="address (default: 127.0.0.1)")
+    gateway.add_argument("--port", type=int, default=8787, help="port (default: 8787)")
+    gateway.set_defaults(func=cmd_gateway)
     return parser
 
 

@@ -1,0 +1,454 @@
+"""The gateway's ASGI app: routes, the relay of upstream answers, and the request log.
+
+Routes (every {gateway} must be configured, every {provider} too):
+
+- `POST|GET /{gateway}/{provider}/{path}`: passed through to the provider's base URL +
+  path, with the query string and the body as they are, the provider's key added;
+- `POST /{gateway}/compat/chat/completions`: OpenAI chat completions with
+  `model: "{provider}/{model}"`, sent to that provider's chat completions endpoint;
+- `POST /{gateway}`: the universal route, a JSON array of steps `{provider, endpoint,
+  headers, query, config: {requestTimeout, maxAttempts, retryDelay, backoff}}` tried in
+  order (`query` is the JSON body sent to `endpoint`); the answering step's index comes
+  back in `cf-aig-step`.
+
+Request headers `cf-aig-request-timeout` (ms to the first byte), `cf-aig-max-attempts`
+(1-5), `cf-aig-retry-delay` (ms) and `cf-aig-backoff` override the gateway's defaults.
+Answers stream through as the upstream sends them (server-sent events are relayed event
+by event); every request is logged with its status, latency, time to first byte, token
+usage (from the answer; for streamed chat completions the gateway asks upstream for
+`include_usage` when the client did not, and removes it from what the client gets), cost,
+`cf-aig-metadata`, and, unless `cf-aig-collect-log-payload: false`, the bodies. Its id
+comes back in `cf-aig-log-id`. Errors are OpenAI-shaped JSON; a provider's own error
+answer (after its retries) is passed through as it came.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from infire.gateway.config import BACKOFFS, MAX_ATTEMPTS, Gateway, GatewayConfig, Provider, Retry
+from infire.gateway.store import LogStore
+from infire.gateway.upstream import CircuitBreaker, Outcome, Step, outgoing_headers, send
+from infire.server.errors import APIError, error_response
+
+logger = logging.getLogger("infire.gateway")
+PAYLOAD_LIMIT = 64 * 1024  # bytes of a body kept in the log
+USAGE_SCAN_LIMIT = 4 * 1024**2  # bytes of a JSON answer read for its usage
+_RESPONSE_DROPPED = {"content-length", "transfer-encoding", "connection", "keep-alive",
+                     "content-encoding"}  # fmt: skip
+# Where each kind of provider has OpenAI's chat completions, below its base URL.
+_CHAT_PATH = {"openai": "chat/completions", "infire": "v1/chat/completions",
+              "workers-ai": "v1/chat/completions"}  # fmt: skip
+
+
+@dataclass(slots=True)
+class Call:
+    """One client request through the gateway, as the log will record it."""
+
+    gateway: Gateway
+    endpoint: str
+    started: float = field(default_factory=time.monotonic)
+    created: float = field(default_factory=time.time)
+    log_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    provider: str | None = None
+    model: str | None = None
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+    collect: bool = True
+    request_body: bytes = b""
+    custom_cost: tuple[float, float] | None = None  # USD per input, per output token
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    """The gateway app over a checked config (the log store opens here)."""
+    store = LogStore(config.store)
+    breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s)
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=limits)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # noqa: ANN202 (FastAPI's lifespan protocol)
+        yield
+        await client.aclose()
+        store.close()
+
+    app = FastAPI(title="infire gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.store, app.state.breaker = store, breaker
+
+    def gateway_of(name: str) -> Gateway:
+        if name not in config.gateways:
+            raise APIError(404, f"unknown gateway {name!r}", code="gateway_not_found")
+        return config.gateways[name]
+
+    def provider_of(name: Any, param: str | None = None) -> Provider:
+        if not isinstance(name, str) or name not in config.providers:
+            raise APIError(
+                404, f"unknown provider {name!r}", code="provider_not_found", param=param
+            )
+        return config.providers[name]
+
+    async def start(request: Request, gateway: str, endpoint: str) -> Call:
+        """The call's log record, with the body read (413 past the limit) and the headers
+        checked."""
+        call = Call(gateway_of(gateway), endpoint)
+        headers = request.headers
+        call.collect = headers.get("cf-aig-collect-log-payload", "true").lower() != "false"
+        call.metadata = _json_header(headers, "cf-aig-metadata", dict)
+        cost = _json_header(headers, "cf-aig-custom-cost", dict)
+        if cost is not None:
+            try:
+                call.custom_cost = (float(cost.get("per_token_in", 0)),
+                                    float(cost.get("per_token_out", 0)))  # fmt: skip
+            except (TypeError, ValueError):
+                raise APIError(400, "cf-aig-custom-cost: per_token_in and per_token_out must "
+                               "be numbers", param="cf-aig-custom-cost") from None  # fmt: skip
+        call.request_body = await _read_body(request, config.max_body_bytes)
+        return call
+
+    async def finish(call: Call, status: int, outcome: Outcome | None, usage: Usage,
+                     error: str | None = None, response_body: bytes = b"") -> None:  # fmt: skip
+        tokens_in, tokens_out = usage.prompt, usage.completion
+        cost = None
+        if call.custom_cost is not None:
+            cost = (tokens_in or 0) * call.custom_cost[0] + (tokens_out or 0) * call.custom_cost[1]
+        elif (price := config.prices.get(f"{call.provider}/{call.model}")) is not None:
+            cost = ((tokens_in or 0) * price.input + (tokens_out or 0) * price.output) / 1e6
+        row = {
+            "id": call.log_id, "created": call.created, "gateway": call.gateway.name,
+            "provider": call.provider, "model": call.model, "endpoint": call.endpoint,
+            "status": status, "latency_ms": (time.monotonic() - call.started) * 1000,
+            "ttfb_ms": outcome.first_byte_s * 1000 if outcome and outcome.first_byte_s else None,
+            "tokens_in": tokens_in, "tokens_out": tokens_out, "cost": cost,
+            "step": outcome.step if outcome and outcome.response is not None else None,
+            "attempts": outcome.attempts if outcome else 0, "stream": int(call.stream),
+            "error": error, "metadata": call.metadata,
+            "request_body": _text(call.request_body) if call.collect else None,
+            "response_body": _text(response_body) if call.collect else None,
+        }  # fmt: skip
+        await asyncio.to_thread(store.insert, row)
+        logger.info(json.dumps({k: row[k] for k in ("id", "gateway", "provider", "model",
+                                                    "status", "latency_ms", "error")}))  # fmt: skip
+
+    async def relay(call: Call, steps: list[Step], strip_usage: bool) -> Response:
+        outcome = await send(client, steps, breaker)
+        gateway_headers = {"cf-aig-log-id": call.log_id}
+        if outcome.response is None:
+            return await failed(call, outcome, gateway_headers)
+        response = outcome.response
+        step = steps[outcome.step]
+        call.provider = step.provider.name
+        gateway_headers["cf-aig-step"] = str(outcome.step)
+        headers = {k: v for k, v in response.headers.items() if k not in _RESPONSE_DROPPED}
+        tap = UsageTap(response.headers.get("content-type", ""), strip_usage, call.collect)
+
+        async def body() -> AsyncIterator[bytes]:
+            error = None
+            try:
+                async for chunk in response.aiter_raw():
+                    out = tap.feed(chunk)
+                    if out:
+                        yield out
+                rest = tap.finish()
+                if rest:
+                    yield rest
+            except httpx.HTTPError as e:
+                error = f"the upstream answer broke off: {type(e).__name__}"
+                raise
+            finally:
+                await response.aclose()
+                await finish(call, response.status_code, outcome, tap.usage, error, tap.kept)
+
+        return StreamingResponse(body(), status_code=response.status_code,
+                                 headers={**headers, **gateway_headers})  # fmt: skip
+
+    async def failed(call: Call, outcome: Outcome, headers: dict[str, str]) -> Response:
+        """Every step failed: the last provider error answer as it came, else 502 / 504."""
+        last = outcome.failures[-1] if outcome.failures else None
+        reasons = "; ".join(f"step {f.step} ({f.provider}): {f.reason}" for f in outcome.failures)
+        if last is not None:
+            call.provider = last.provider
+        if last is not None and last.status is not None:
+            kept = {k: v for k, v in last.headers.items() if k not in _RESPONSE_DROPPED}
+            await finish(call, last.status, outcome, Usage(), reasons, last.body)
+            return Response(last.body, status_code=last.status, headers={**kept, **headers})
+        timeout = last is not None and last.reason.startswith("timeout")
+        status, code = (504, "upstream_timeout") if timeout else (502, "upstream_unavailable")
+        error = APIError(status, f"no provider answered: {reasons or 'no step to try'}",
+                         type="server_error", code=code)  # fmt: skip
+        body = json.dumps(error.body()).encode()
+        await finish(call, status, outcome, Usage(), reasons, body)
+        return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+    def options(request: Request, gateway: Gateway, step_config: dict | None = None) -> tuple[float, Retry]:  # fmt: skip
+        """Timeout (s) and retries: the universal step's config, else the request's
+        cf-aig-* headers, else the gateway's defaults."""
+        h, c = request.headers, step_config or {}
+        timeout = _int_option(c, "requestTimeout", h, "cf-aig-request-timeout", 1, None)
+        attempts = _int_option(c, "maxAttempts", h, "cf-aig-max-attempts", 1, MAX_ATTEMPTS)
+        delay = _int_option(c, "retryDelay", h, "cf-aig-retry-delay", 0, None)
+        backoff = c.get("backoff", h.get("cf-aig-backoff"))
+        if backoff is not None and backoff not in BACKOFFS:
+            raise APIError(400, f"backoff {backoff!r} is not one of {', '.join(BACKOFFS)}",
+                           param="cf-aig-backoff")  # fmt: skip
+        default = gateway.retry
+        retry = Retry(attempts or default.max_attempts,
+                      default.retry_delay_ms if delay is None else delay,
+                      backoff or default.backoff)  # fmt: skip
+        return (timeout or gateway.request_timeout_ms) / 1000, retry
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.post("/{gateway}/compat/chat/completions")
+    async def compat(gateway: str, request: Request) -> Response:
+        call = await start(request, gateway, "compat/chat/completions")
+        body = _json_object(call.request_body)
+        model = body.get("model")
+        if not isinstance(model, str) or "/" not in model:
+            raise APIError(400, "model must be 'provider/model'", param="model")
+        provider_name, call.model = model.split("/", 1)
+        provider = provider_of(provider_name, "model")
+        call.provider = provider.name
+        body["model"] = call.model
+        strip = _ask_usage(body)
+        call.stream = bool(body.get("stream"))
+        timeout, retry = options(request, call.gateway)
+        step = Step(provider, "POST", _CHAT_PATH[provider.kind], "", json.dumps(body).encode(),
+                    _json_headers(request.headers), timeout, retry)  # fmt: skip
+        return await relay(call, [step], strip)
+
+    @app.post("/{gateway}")
+    async def universal(gateway: str, request: Request) -> Response:
+        call = await start(request, gateway, "universal")
+        try:
+            steps_in = json.loads(call.request_body)
+        except (ValueError, UnicodeDecodeError):
+            raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
+        if not isinstance(steps_in, list) or not steps_in:
+            raise APIError(400, "the universal route takes a JSON array of steps "
+                           "{provider, endpoint, headers, query, config}")  # fmt: skip
+        steps, strips = [], []
+        for i, raw in enumerate(steps_in):
+            if not isinstance(raw, dict):
+                raise APIError(400, f"step {i} is not an object", param=f"{i}")
+            provider = provider_of(raw.get("provider"), f"{i}.provider")
+            endpoint, query = raw.get("endpoint"), raw.get("query", {})
+            if not isinstance(endpoint, str) or not isinstance(query, dict):
+                raise APIError(400, f"step {i}: endpoint must be a string and query a JSON "
+                               "object (the body sent upstream)", param=f"{i}")  # fmt: skip
+            extra = raw.get("headers", {})
+            config_in = raw.get("config", {})
+            if not isinstance(extra, dict) or not isinstance(config_in, dict):
+                raise APIError(400, f"step {i}: headers and config must be objects", param=f"{i}")
+            strips.append(_ask_usage(query))
+            headers = {
+                **_json_headers(request.headers),
+                **outgoing_headers({str(k).lower(): str(v) for k, v in extra.items()}),
+            }
+            timeout, retry = options(request, call.gateway, config_in)
+            path = f"run/{endpoint}" if endpoint.startswith("@") else endpoint.lstrip("/")
+            steps.append(Step(provider, "POST", path, "", json.dumps(query).encode(), headers,
+                              timeout, retry))  # fmt: skip
+        first = steps_in[0]
+        call.model = first["query"].get("model") if isinstance(first.get("query"), dict) else None
+        call.stream = bool(first.get("query", {}).get("stream"))
+        return await relay(call, steps, strip_usage=all(strips))
+
+    @app.api_route("/{gateway}/{provider}/{path:path}", methods=["GET", "POST"])
+    async def passthrough(gateway: str, provider: str, path: str, request: Request) -> Response:
+        call = await start(request, gateway, path)
+        target = provider_of(provider)
+        call.provider = target.name
+        body = call.request_body
+        strip = False
+        if body and path.endswith("completions"):
+            try:
+                data = json.loads(body)
+            except (ValueError, UnicodeDecodeError):
+                data = None  # passed through as it is; the provider judges it
+            if isinstance(data, dict):
+                call.model = data.get("model") if isinstance(data.get("model"), str) else None
+                call.stream = bool(data.get("stream"))
+                if target.kind in ("openai", "infire") and _ask_usage(data):
+                    body, strip = json.dumps(data).encode(), True
+        timeout, retry = options(request, call.gateway)
+        step = Step(target, request.method, path, request.url.query, body,
+                    outgoing_headers(dict(request.headers)), timeout, retry)  # fmt: skip
+        return await relay(call, [step], strip)
+
+    for exc_type in (APIError, HTTPException, Exception):
+        app.add_exception_handler(exc_type, error_response)
+    return app
+
+
+class Usage:
+    """Token counts found in an answer (None when it had none)."""
+
+    __slots__ = ("prompt", "completion")
+
+    def __init__(self) -> None:
+        self.prompt: int | None = None
+        self.completion: int | None = None
+
+    def take(self, usage: Any) -> None:
+        if isinstance(usage, dict):
+            prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+            completion = usage.get("completion_tokens", usage.get("output_tokens"))
+            self.prompt = prompt if isinstance(prompt, int) else self.prompt
+            self.completion = completion if isinstance(completion, int) else self.completion
+
+
+class UsageTap:
+    """Watches an answer as it is relayed: finds its token usage, keeps the start of it
+    for the log, and (strip) removes from a server-sent event stream the usage that the
+    gateway asked for on the client's behalf. Events go on as soon as they are whole."""
+
+    def __init__(self, content_type: str, strip: bool, keep: bool) -> None:
+        self.sse = content_type.startswith("text/event-stream")
+        self.strip = strip and self.sse
+        self.keep = keep
+        self.usage = Usage()
+        self.kept = b""
+        self._pending = b""  # SSE: the unfinished event; JSON: the body so far
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self.keep and len(self.kept) < PAYLOAD_LIMIT:
+            self.kept += chunk[: PAYLOAD_LIMIT - len(self.kept)]
+        if not self.sse:
+            if len(self._pending) < USAGE_SCAN_LIMIT:
+                self._pending += chunk
+            return chunk
+        self._pending += chunk
+        whole, separator, rest = self._pending.rpartition(b"\n\n")
+        if not separator:
+            return b"" if self.strip else chunk
+        self._pending = rest
+        out = [self._event(e) for e in whole.split(b"\n\n")]
+        if not self.strip:
+            return chunk
+        return b"".join(e + b"\n\n" for e in out if e is not None)
+
+    def finish(self) -> bytes:
+        if self.sse:
+            rest, self._pending = self._pending, b""
+            if rest.strip():
+                out = self._event(rest)
+                return (out or b"") if self.strip else b""
+            return rest if self.strip else b""
+        try:
+            data = json.loads(self._pending)
+        except (ValueError, UnicodeDecodeError):
+            return b""
+        if isinstance(data, dict):
+            self.usage.take(data.get("usage"))
+            if isinstance(data.get("result"), dict):  # Workers AI's envelope
+                self.usage.take(data["result"].get("usage"))
+        return b""
+
+    def _event(self, event: bytes) -> bytes | None:
+        """The event to send on (None: dropped), its usage noted."""
+        text = event.strip(b"\r\n")
+        if not text.startswith(b"data:") or b'"usage"' not in text:
+            return event
+        try:
+            data = json.loads(text[5:])
+        except (ValueError, UnicodeDecodeError):
+            return event
+        if not isinstance(data, dict):
+            return event
+        self.usage.take(data.get("usage"))
+        if not self.strip:
+            return event
+        if not data.get("choices") and data.get("usage"):
+            return None  # the usage-only chunk the client did not ask for
+        data.pop("usage", None)
+        return b"data: " + json.dumps(data, separators=(",", ":")).encode()
+
+
+def _ask_usage(body: dict[str, Any]) -> bool:
+    """For a streamed request without include_usage: ask for it (True: strip it later)."""
+    if body.get("stream") is not True:
+        return False
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage"):
+        return False
+    body["stream_options"] = {**(options if isinstance(options, dict) else {}),
+                              "include_usage": True}  # fmt: skip
+    return True
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise APIError(413, f"request body is larger than {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body is larger than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    return data
+
+
+def _json_headers(headers: Any) -> dict[str, str]:
+    """The client's headers for a body the gateway rewrote as JSON."""
+    kept = outgoing_headers(dict(headers))
+    kept.pop("content-type", None)
+    return {**kept, "content-type": "application/json"}
+
+
+def _json_header(headers: Any, name: str, kind: type) -> Any:
+    value = headers.get(name)
+    if value is None:
+        return None
+    try:
+        data = json.loads(value)
+    except ValueError:
+        raise APIError(400, f"header {name} is not valid JSON", param=name) from None
+    if not isinstance(data, kind):
+        raise APIError(400, f"header {name} must be a JSON {kind.__name__}", param=name)
+    return data
+
+
+def _int_option(config: dict, key: str, headers: Any, header: str, low: int,
+                high: int | None) -> int | None:  # fmt: skip
+    value = config.get(key, headers.get(header))
+    if value is None:
+        return None
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise APIError(400, f"{header} must be an integer", param=header) from None
+    if number < low or (high is not None and number > high):
+        raise APIError(400, f"{header} must be between {low} and {high or 'any'}", param=header)
+    return number
+
+
+def _text(data: bytes) -> str | None:
+    if not data:
+        return None
+    return data[:PAYLOAD_LIMIT].decode("utf-8", errors="replace")

@@ -1,0 +1,207 @@
+"""gateway.toml: providers, gateways, prices and the store, checked on load.
+
+[store]
+path = "gateway.db"            # SQLite, relative to this file
+
+[gateways.prod]                # the {gateway} of every route; at least one
+request_timeout_ms = 30000     # to the first byte of the upstream answer
+max_attempts = 2               # retries: 1-5 attempts per step
+retry_delay_ms = 200
+backoff = "exponential"        # constant | linear | exponential
+
+[providers.openai]             # the {provider} of the routes
+kind = "openai"                # openai (any OpenAI-compatible API) | workers-ai | infire
+base_url = "https://api.openai.com/v1"
+api_key_env = "OPENAI_API_KEY" # the key is read from the environment, never logged
+
+[prices."openai/gpt-4o-mini"]  # USD per million tokens
+input = 0.15
+output = 0.60
+
+[circuit_breaker]
+failures = 5                   # consecutive failed attempts that open it
+cooldown_s = 30
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from infire.errors import InfireError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover (3.10)
+    import tomli as tomllib
+
+KINDS = ("openai", "workers-ai", "infire")
+BACKOFFS = ("constant", "linear", "exponential")
+MAX_ATTEMPTS = 5
+RESERVED = ("compat", "analytics")  # path words the routes use after {gateway}
+
+
+class ConfigError(InfireError):
+    """A gateway.toml that cannot be used, with the file and the key named."""
+
+
+@dataclass(frozen=True, slots=True)
+class Provider:
+    """An upstream API: where it is and how to authenticate to it."""
+
+    name: str
+    kind: str
+    base_url: str  # without a trailing slash
+    api_key_env: str | None = None
+
+    def api_key(self) -> str | None:
+        """The key from the environment (None when unset)."""
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+    def auth_headers(self) -> dict[str, str]:
+        key = self.api_key()
+        return {"authorization": f"Bearer {key}"} if key else {}
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """Attempts per step and the wait between them."""
+
+    max_attempts: int = 1
+    retry_delay_ms: int = 0
+    backoff: str = "constant"
+
+    def delay_s(self, retry: int) -> float:
+        """Seconds to wait before retry number `retry` (1 = the second attempt)."""
+        factor = {"constant": 1, "linear": retry, "exponential": 2 ** (retry - 1)}[self.backoff]
+        return self.retry_delay_ms * factor / 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Gateway:
+    """Per-gateway defaults; request headers override them."""
+
+    name: str
+    request_timeout_ms: int = 60_000
+    retry: Retry = field(default_factory=Retry)
+
+
+@dataclass(frozen=True, slots=True)
+class Price:
+    """USD per million input and output tokens."""
+
+    input: float
+    output: float
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """Everything `infire gateway` needs."""
+
+    providers: dict[str, Provider]
+    gateways: dict[str, Gateway]
+    store: Path
+    prices: dict[str, Price] = field(default_factory=dict)  # "provider/model"
+    max_body_bytes: int = 4 * 1024**2
+    breaker_failures: int = 5
+    breaker_cooldown_s: float = 30.0
+
+
+def load_config(path: Path) -> GatewayConfig:
+    """Read and check a gateway.toml; ConfigError naming the file and key when wrong."""
+    try:
+        raw = tomllib.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    return parse_config(raw, path)
+
+
+def parse_config(raw: dict[str, Any], path: Path) -> GatewayConfig:
+    """A GatewayConfig from parsed TOML (path: where relative paths start, and for errors)."""
+
+    def fail(key: str, problem: str) -> ConfigError:
+        return ConfigError(f"{path}: {key}: {problem}")
+
+    def table(key: str, value: Any) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise fail(key, "must be a table")
+        return value
+
+    def number(key: str, value: Any, low: float, high: float | None = None) -> Any:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise fail(key, f"must be a number, not {value!r}")
+        if value < low or (high is not None and value > high):
+            raise fail(key, f"{value} is out of range ({low} to {high or 'any'})")
+        return value
+
+    known = {"store", "gateways", "providers", "prices", "circuit_breaker", "server"}
+    for key in raw:
+        if key not in known:
+            raise fail(key, f"unknown section (expected one of {', '.join(sorted(known))})")
+    providers = {}
+    for name, spec in table("providers", raw.get("providers", {})).items():
+        spec = table(f"providers.{name}", spec)
+        key = f"providers.{name}"
+        if name in RESERVED:
+            raise fail(key, f"{name!r} is reserved for a route")
+        kind = spec.get("kind")
+        if kind not in KINDS:
+            raise fail(f"{key}.kind", f"{kind!r} is not one of {', '.join(KINDS)}")
+        base = spec.get("base_url")
+        if not isinstance(base, str) or not base.startswith(("http://", "https://")):
+            raise fail(f"{key}.base_url", "must be an http:// or https:// URL")
+        env = spec.get("api_key_env")
+        if env is not None and not isinstance(env, str):
+            raise fail(f"{key}.api_key_env", "must be the name of an environment variable")
+        unknown = set(spec) - {"kind", "base_url", "api_key_env"}
+        if unknown:
+            raise fail(key, f"unknown keys {sorted(unknown)}")
+        providers[name] = Provider(name, kind, base.rstrip("/"), env)
+    if not providers:
+        raise fail("providers", "at least one provider is needed")
+    gateways = {}
+    for name, spec in table("gateways", raw.get("gateways", {})).items():
+        key = f"gateways.{name}"
+        spec = table(key, spec)
+        unknown = set(spec) - {"request_timeout_ms", "max_attempts", "retry_delay_ms", "backoff"}
+        if unknown:
+            raise fail(key, f"unknown keys {sorted(unknown)}")
+        backoff = spec.get("backoff", "constant")
+        if backoff not in BACKOFFS:
+            raise fail(f"{key}.backoff", f"{backoff!r} is not one of {', '.join(BACKOFFS)}")
+        retry = Retry(
+            int(number(f"{key}.max_attempts", spec.get("max_attempts", 1), 1, MAX_ATTEMPTS)),
+            int(number(f"{key}.retry_delay_ms", spec.get("retry_delay_ms", 0), 0)),
+            backoff,
+        )
+        timeout = int(
+            number(f"{key}.request_timeout_ms", spec.get("request_timeout_ms", 60_000), 1)
+        )
+        gateways[name] = Gateway(name, timeout, retry)
+    if not gateways:
+        raise fail("gateways", "at least one gateway is needed, e.g. [gateways.default]")
+    prices = {}
+    for name, spec in table("prices", raw.get("prices", {})).items():
+        key = f"prices.{name}"
+        spec = table(key, spec)
+        if "/" not in name:
+            raise fail(key, "name it provider/model")
+        prices[name] = Price(float(number(f"{key}.input", spec.get("input", 0), 0)),
+                             float(number(f"{key}.output", spec.get("output", 0), 0)))  # fmt: skip
+    store = table("store", raw.get("store", {}))
+    store_path = Path(store.get("path", "gateway.db"))
+    if not store_path.is_absolute():
+        store_path = path.parent / store_path
+    breaker = table("circuit_breaker", raw.get("circuit_breaker", {}))
+    server = table("server", raw.get("server", {}))
+    return GatewayConfig(
+        providers, gateways, store_path, prices,
+        int(number("server.max_body_bytes", server.get("max_body_bytes", 4 * 1024**2), 1)),
+        int(number("circuit_breaker.failures", breaker.get("failures", 5), 1)),
+        float(number("circuit_breaker.cooldown_s", breaker.get("cooldown_s", 30.0), 0)),
+    )  # fmt: skip
