@@ -39,6 +39,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from infire.gateway.cache import (
+    KEPT_HEADERS,
+    Cache,
+    Entry,
+    cache_key,
+    credentials_hash,
+    open_backend,
+)
 from infire.gateway.config import BACKOFFS, MAX_ATTEMPTS, Gateway, GatewayConfig, Provider, Retry
 from infire.gateway.store import LogStore
 from infire.gateway.upstream import CircuitBreaker, Outcome, Step, outgoing_headers, send
@@ -70,11 +78,15 @@ class Call:
     collect: bool = True
     request_body: bytes = b""
     custom_cost: tuple[float, float] | None = None  # USD per input, per output token
+    cache_key: str | None = None  # set when the answer may come from or go to the cache
+    cache_ttl_s: int = 0
+    cache_status: str | None = None  # HIT | MISS
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
     """The gateway app over a checked config (the log store opens here)."""
     store = LogStore(config.store)
+    cache = Cache(open_backend(config.cache_url, config.store))
     breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s)
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=limits)
@@ -83,10 +95,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def lifespan(app: FastAPI):  # noqa: ANN202 (FastAPI's lifespan protocol)
         yield
         await client.aclose()
+        await cache.backend.close()
         store.close()
 
     app = FastAPI(title="infire gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.store, app.state.breaker = store, breaker
+    app.state.store, app.state.breaker, app.state.cache = store, breaker, cache
 
     def gateway_of(name: str) -> Gateway:
         if name not in config.gateways:
@@ -132,6 +145,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             "status": status, "latency_ms": (time.monotonic() - call.started) * 1000,
             "ttfb_ms": outcome.first_byte_s * 1000 if outcome and outcome.first_byte_s else None,
             "tokens_in": tokens_in, "tokens_out": tokens_out, "cost": cost,
+            "cache_status": call.cache_status,
             "step": outcome.step if outcome and outcome.response is not None else None,
             "attempts": outcome.attempts if outcome else 0, "stream": int(call.stream),
             "error": error, "metadata": call.metadata,
@@ -143,16 +157,46 @@ def create_app(config: GatewayConfig) -> FastAPI:
                                                     "status", "latency_ms", "error")}))  # fmt: skip
 
     async def relay(call: Call, steps: list[Step], strip_usage: bool) -> Response:
+        if call.cache_key is None:
+            return await forward(call, steps, strip_usage)
+        entry, _ = await cache.lookup(call.cache_key)
+        if entry is not None:
+            return await replay(call, entry)
+        call.cache_status = "MISS"
+        try:
+            return await forward(call, steps, strip_usage)
+        except BaseException:
+            await cache.done(call.cache_key, None, call.cache_ttl_s)
+            raise
+
+    async def replay(call: Call, entry: Entry) -> Response:
+        """A cached answer, the same bytes as the first time."""
+        call.cache_status = "HIT"
+        call.provider = entry.provider or call.provider
+        tap = UsageTap(entry.headers.get("content-type", ""), False, call.collect)
+        tap.feed(entry.body)
+        tap.finish()
+        await finish(call, entry.status, None, tap.usage, None, tap.kept)
+        headers = {**entry.headers, "cf-aig-log-id": call.log_id, "cf-aig-step": str(entry.step),
+                   "cf-aig-cache-status": "HIT"}  # fmt: skip
+        return Response(entry.body, status_code=entry.status, headers=headers)
+
+    async def forward(call: Call, steps: list[Step], strip_usage: bool) -> Response:
         outcome = await send(client, steps, breaker)
         gateway_headers = {"cf-aig-log-id": call.log_id}
+        if call.cache_status:
+            gateway_headers["cf-aig-cache-status"] = call.cache_status
         if outcome.response is None:
+            if call.cache_key:
+                await cache.done(call.cache_key, None, call.cache_ttl_s)
             return await failed(call, outcome, gateway_headers)
         response = outcome.response
         step = steps[outcome.step]
         call.provider = step.provider.name
         gateway_headers["cf-aig-step"] = str(outcome.step)
         headers = {k: v for k, v in response.headers.items() if k not in _RESPONSE_DROPPED}
-        tap = UsageTap(response.headers.get("content-type", ""), strip_usage, call.collect)
+        record = call.cache_key is not None and 200 <= response.status_code < 300
+        tap = UsageTap(response.headers.get("content-type", ""), strip_usage, call.collect, record)
 
         async def body() -> AsyncIterator[bytes]:
             error = None
@@ -169,10 +213,33 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 raise
             finally:
                 await response.aclose()
+                if call.cache_key is not None:
+                    entry = None
+                    if record and error is None:
+                        kept = {k: v for k, v in headers.items() if k in KEPT_HEADERS}
+                        entry = Entry(response.status_code, kept, b"".join(tap.recorded),
+                                      call.provider, outcome.step)  # fmt: skip
+                    await cache.done(call.cache_key, entry, call.cache_ttl_s)
                 await finish(call, response.status_code, outcome, tap.usage, error, tap.kept)
 
         return StreamingResponse(body(), status_code=response.status_code,
                                  headers={**headers, **gateway_headers})  # fmt: skip
+
+    def plan_cache(request: Request, call: Call) -> None:
+        """Whether this answer may come from the cache, and under which key."""
+        headers = request.headers
+        ttl = _int_option({}, "", headers, "cf-aig-cache-ttl", 0, None)
+        ttl = call.gateway.cache_ttl_s if ttl is None else ttl
+        if not ttl or headers.get("cf-aig-skip-cache", "").lower() == "true":
+            return
+        custom = headers.get("cf-aig-cache-key")
+        parts = {"gateway": call.gateway.name, "custom": custom}
+        if custom is None:
+            parts |= {"route": call.endpoint, "provider": call.provider, "model": call.model,
+                      "method": request.method, "query": request.url.query,
+                      "credentials": credentials_hash(headers)}  # fmt: skip
+        call.cache_key = cache_key(parts, b"" if custom is not None else call.request_body)
+        call.cache_ttl_s = ttl
 
     async def failed(call: Call, outcome: Outcome, headers: dict[str, str]) -> Response:
         """Every step failed: the last provider error answer as it came, else 502 / 504."""
@@ -229,6 +296,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         timeout, retry = options(request, call.gateway)
         step = Step(provider, "POST", _CHAT_PATH[provider.kind], "", json.dumps(body).encode(),
                     _json_headers(request.headers), timeout, retry)  # fmt: skip
+        plan_cache(request, call)
         return await relay(call, [step], strip)
 
     @app.post("/{gateway}")
@@ -266,6 +334,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         first = steps_in[0]
         call.model = first["query"].get("model") if isinstance(first.get("query"), dict) else None
         call.stream = bool(first.get("query", {}).get("stream"))
+        plan_cache(request, call)
         return await relay(call, steps, strip_usage=all(strips))
 
     @app.api_route("/{gateway}/{provider}/{path:path}", methods=["GET", "POST"])
@@ -288,6 +357,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         timeout, retry = options(request, call.gateway)
         step = Step(target, request.method, path, request.url.query, body,
                     outgoing_headers(dict(request.headers)), timeout, retry)  # fmt: skip
+        plan_cache(request, call)
         return await relay(call, [step], strip)
 
     for exc_type in (APIError, HTTPException, Exception):
@@ -317,15 +387,29 @@ class UsageTap:
     for the log, and (strip) removes from a server-sent event stream the usage that the
     gateway asked for on the client's behalf. Events go on as soon as they are whole."""
 
-    def __init__(self, content_type: str, strip: bool, keep: bool) -> None:
+    def __init__(self, content_type: str, strip: bool, keep: bool, record: bool = False) -> None:
         self.sse = content_type.startswith("text/event-stream")
         self.strip = strip and self.sse
         self.keep = keep
+        self.record = record
+        self.recorded: list[bytes] = []  # with record: every byte the client got
         self.usage = Usage()
         self.kept = b""
         self._pending = b""  # SSE: the unfinished event; JSON: the body so far
 
     def feed(self, chunk: bytes) -> bytes:
+        out = self._feed(chunk)
+        if self.record and out:
+            self.recorded.append(out)
+        return out
+
+    def finish(self) -> bytes:
+        out = self._finish()
+        if self.record and out:
+            self.recorded.append(out)
+        return out
+
+    def _feed(self, chunk: bytes) -> bytes:
         if self.keep and len(self.kept) < PAYLOAD_LIMIT:
             self.kept += chunk[: PAYLOAD_LIMIT - len(self.kept)]
         if not self.sse:
@@ -342,7 +426,7 @@ class UsageTap:
             return chunk
         return b"".join(e + b"\n\n" for e in out if e is not None)
 
-    def finish(self) -> bytes:
+    def _finish(self) -> bytes:
         if self.sse:
             rest, self._pending = self._pending, b""
             if rest.strip():

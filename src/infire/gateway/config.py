@@ -87,6 +87,7 @@ class Gateway:
     name: str
     request_timeout_ms: int = 60_000
     retry: Retry = field(default_factory=Retry)
+    cache_ttl_s: int = 0  # 0: answers are cached only when a request asks (cf-aig-cache-ttl)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +109,7 @@ class GatewayConfig:
     max_body_bytes: int = 4 * 1024**2
     breaker_failures: int = 5
     breaker_cooldown_s: float = 30.0
+    cache_url: str | None = None  # redis://...; None: the SQLite store
 
 
 def load_config(path: Path) -> GatewayConfig:
@@ -139,7 +141,7 @@ def parse_config(raw: dict[str, Any], path: Path) -> GatewayConfig:
             raise fail(key, f"{value} is out of range ({low} to {high or 'any'})")
         return value
 
-    known = {"store", "gateways", "providers", "prices", "circuit_breaker", "server"}
+    known = {"store", "gateways", "providers", "prices", "circuit_breaker", "server", "cache"}
     for key in raw:
         if key not in known:
             raise fail(key, f"unknown section (expected one of {', '.join(sorted(known))})")
@@ -168,7 +170,8 @@ def parse_config(raw: dict[str, Any], path: Path) -> GatewayConfig:
     for name, spec in table("gateways", raw.get("gateways", {})).items():
         key = f"gateways.{name}"
         spec = table(key, spec)
-        unknown = set(spec) - {"request_timeout_ms", "max_attempts", "retry_delay_ms", "backoff"}
+        unknown = set(spec) - {"request_timeout_ms", "max_attempts", "retry_delay_ms", "backoff",
+                               "cache_ttl_s"}  # fmt: skip
         if unknown:
             raise fail(key, f"unknown keys {sorted(unknown)}")
         backoff = spec.get("backoff", "constant")
@@ -182,7 +185,8 @@ def parse_config(raw: dict[str, Any], path: Path) -> GatewayConfig:
         timeout = int(
             number(f"{key}.request_timeout_ms", spec.get("request_timeout_ms", 60_000), 1)
         )
-        gateways[name] = Gateway(name, timeout, retry)
+        ttl = int(number(f"{key}.cache_ttl_s", spec.get("cache_ttl_s", 0), 0))
+        gateways[name] = Gateway(name, timeout, retry, ttl)
     if not gateways:
         raise fail("gateways", "at least one gateway is needed, e.g. [gateways.default]")
     prices = {}
@@ -199,9 +203,15 @@ def parse_config(raw: dict[str, Any], path: Path) -> GatewayConfig:
         store_path = path.parent / store_path
     breaker = table("circuit_breaker", raw.get("circuit_breaker", {}))
     server = table("server", raw.get("server", {}))
+    cache = table("cache", raw.get("cache", {}))
+    cache_url = cache.get("url")
+    if cache_url is not None and (not isinstance(cache_url, str) or not cache_url.startswith(
+            ("redis://", "rediss://", "unix://"))):  # fmt: skip
+        raise fail("cache.url", "must be a redis:// URL (leave it out for the SQLite store)")
     return GatewayConfig(
         providers, gateways, store_path, prices,
         int(number("server.max_body_bytes", server.get("max_body_bytes", 4 * 1024**2), 1)),
         int(number("circuit_breaker.failures", breaker.get("failures", 5), 1)),
         float(number("circuit_breaker.cooldown_s", breaker.get("cooldown_s", 30.0), 0)),
+        cache_url,
     )  # fmt: skip
