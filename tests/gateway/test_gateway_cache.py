@@ -21,7 +21,7 @@ def gateway(request: pytest.FixtureRequest, infire_upstream: Server,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:  # fmt: skip
     cache = ""
     if request.param == "redis":
-        cache = f'[cache]\nurl = "{request.getfixturevalue("redis_url")}"\n'
+        cache = f'[store]\nredis_url = "{request.getfixturevalue("redis_url")}"\n'
     config = f"""
 [gateways.main]
 [providers.local]

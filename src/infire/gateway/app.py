@@ -25,8 +25,10 @@ answer (after its retries) is passed through as it came.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -47,7 +49,16 @@ from infire.gateway.cache import (
     credentials_hash,
     open_backend,
 )
-from infire.gateway.config import BACKOFFS, MAX_ATTEMPTS, Gateway, GatewayConfig, Provider, Retry
+from infire.gateway.config import (
+    BACKOFFS,
+    MAX_ATTEMPTS,
+    Gateway,
+    GatewayConfig,
+    Provider,
+    Retry,
+    Token,
+)
+from infire.gateway.limits import Admission, open_counters
 from infire.gateway.store import LogStore
 from infire.gateway.upstream import CircuitBreaker, Outcome, Step, outgoing_headers, send
 from infire.server.errors import APIError, error_response
@@ -81,12 +92,15 @@ class Call:
     cache_key: str | None = None  # set when the answer may come from or go to the cache
     cache_ttl_s: int = 0
     cache_status: str | None = None  # HIT | MISS
+    token: Token | None = None  # the gateway token the client showed
+    reserved: list[Admission] = field(default_factory=list)  # against token limits
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
     """The gateway app over a checked config (the log store opens here)."""
     store = LogStore(config.store)
-    cache = Cache(open_backend(config.cache_url, config.store))
+    cache = Cache(open_backend(config.redis_url, config.store))
+    counters = open_counters(config.redis_url, config.store)
     breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s)
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=limits)
@@ -96,6 +110,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         yield
         await client.aclose()
         await cache.backend.close()
+        await counters.close()
         store.close()
 
     app = FastAPI(title="infire gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -128,12 +143,64 @@ def create_app(config: GatewayConfig) -> FastAPI:
             except (TypeError, ValueError):
                 raise APIError(400, "cf-aig-custom-cost: per_token_in and per_token_out must "
                                "be numbers", param="cf-aig-custom-cost") from None  # fmt: skip
-        call.request_body = await _read_body(request, config.max_body_bytes)
+        try:
+            call.request_body = await _read_body(request, config.max_body_bytes)
+            call.token = authenticate(request, call.gateway)
+            await admit(call)
+        except APIError as e:
+            await finish(call, e.status, None, Usage(), e.message)
+            raise
         return call
+
+    def authenticate(request: Request, gateway: Gateway) -> Token | None:
+        """The gateway token in cf-aig-authorization (or Authorization); 401 when the
+        gateway needs one and there is none that is valid for it."""
+        value = request.headers.get("cf-aig-authorization") or request.headers.get(
+            "authorization", ""
+        )
+        token = None
+        if value[:7].lower() == "bearer ":
+            digest = hashlib.sha256(value[7:].strip().encode()).hexdigest()
+            token = config.tokens.get(digest)
+            if token is not None and token.gateways and gateway.name not in token.gateways:
+                token = None
+        if gateway.authentication and token is None:
+            raise APIError(401, "this gateway needs a valid gateway token "
+                           "(cf-aig-authorization: Bearer ...)", code="invalid_api_key")  # fmt: skip
+        return token
+
+    async def admit(call: Call) -> None:
+        """Count the request against the gateway's and its token's limits; 429 with
+        Retry-After when one is full (nothing is then charged)."""
+        subjects = [(f"gateway:{call.gateway.name}", limit) for limit in call.gateway.limits]
+        if call.token is not None:
+            subjects += [(f"token:{call.token.name}", limit) for limit in call.token.limits]
+        reservation = _reservation(call.request_body)
+        admitted: list[Admission] = []
+        for subject, limit in subjects:
+            cost = 1 if limit.kind == "requests" else reservation
+            key = f"{subject}:{limit.kind}:{limit.technique}:{limit.window_s:g}"
+            result = await counters.admit(key, limit, cost)
+            if isinstance(result, Admission):
+                admitted.append(result)
+                continue
+            for taken in admitted:
+                await counters.adjust(taken, -taken.cost)
+            who = subject.replace(":", " ", 1)
+            raise RateLimited(429, f"rate limit of {who}: {limit.limit} {limit.kind} per "
+                              f"{limit.window_s:g} s ({limit.technique} window)",
+                              type="rate_limit_error", code="rate_limit_exceeded",
+                              retry_after=result)  # fmt: skip
+        call.reserved = [a for a in admitted if a.limit.kind == "tokens"]
 
     async def finish(call: Call, status: int, outcome: Outcome | None, usage: Usage,
                      error: str | None = None, response_body: bytes = b"") -> None:  # fmt: skip
         tokens_in, tokens_out = usage.prompt, usage.completion
+        if tokens_in is not None or tokens_out is not None:
+            used = (tokens_in or 0) + (tokens_out or 0)
+            for reserved in call.reserved:  # the reservation becomes the tokens really used
+                await counters.adjust(reserved, used - reserved.cost)
+        call.reserved = []
         cost = None
         if call.custom_cost is not None:
             cost = (tokens_in or 0) * call.custom_cost[0] + (tokens_out or 0) * call.custom_cost[1]
@@ -362,7 +429,34 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     for exc_type in (APIError, HTTPException, Exception):
         app.add_exception_handler(exc_type, error_response)
+
+    @app.exception_handler(RateLimited)
+    async def rate_limited(request: Request, exc: RateLimited) -> Response:
+        return JSONResponse(exc.body(), status_code=429,
+                            headers={"retry-after": str(max(1, math.ceil(exc.retry_after)))})  # fmt: skip
+
     return app
+
+
+@dataclass
+class RateLimited(APIError):
+    """429 with the seconds after which the limit admits the request."""
+
+    retry_after: float = 1.0
+
+
+def _reservation(body: bytes) -> int:
+    """Tokens a request reserves against token limits: its max_tokens, at least 1."""
+    try:
+        data = json.loads(body) if body else None
+    except (ValueError, UnicodeDecodeError):
+        return 1
+    if isinstance(data, list) and data and isinstance(data[0], dict):  # universal steps
+        data = data[0].get("query")
+    if not isinstance(data, dict):
+        return 1
+    value = data.get("max_tokens", data.get("max_completion_tokens"))
+    return value if isinstance(value, int) and value > 0 else 1
 
 
 class Usage:

@@ -1,18 +1,27 @@
-"""gateway.toml: providers, gateways, prices and the store, checked on load.
+"""gateway.toml: providers, gateways, tokens, prices and the store, checked on load.
+docs/gateway.md has every key; in short:
 
 [store]
-path = "gateway.db"            # SQLite, relative to this file
+path = "gateway.db"            # SQLite (log, cache, counters), relative to this file
+redis_url = "redis://..."      # optional: cache and rate-limit counters in Redis instead
 
 [gateways.prod]                # the {gateway} of every route; at least one
 request_timeout_ms = 30000     # to the first byte of the upstream answer
 max_attempts = 2               # retries: 1-5 attempts per step
 retry_delay_ms = 200
 backoff = "exponential"        # constant | linear | exponential
+cache_ttl_s = 0                # cache answers this long by default (0: only when asked)
+authentication = true          # requests need a gateway token
+limits = [{ kind = "requests", limit = 600, window_s = 60, technique = "fixed" }]
 
 [providers.openai]             # the {provider} of the routes
 kind = "openai"                # openai (any OpenAI-compatible API) | workers-ai | infire
 base_url = "https://api.openai.com/v1"
 api_key_env = "OPENAI_API_KEY" # the key is read from the environment, never logged
+
+[tokens.team-a]                # a gateway token, known by its SHA-256 only
+sha256 = "..."
+limits = [{ kind = "tokens", limit = 100000, window_s = 3600, technique = "sliding" }]
 
 [prices."openai/gpt-4o-mini"]  # USD per million tokens
 input = 0.15
@@ -32,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from infire.errors import InfireError
+from infire.gateway.limits import KINDS as LIMIT_KINDS
+from infire.gateway.limits import TECHNIQUES, Limit
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -88,6 +99,18 @@ class Gateway:
     request_timeout_ms: int = 60_000
     retry: Retry = field(default_factory=Retry)
     cache_ttl_s: int = 0  # 0: answers are cached only when a request asks (cf-aig-cache-ttl)
+    authentication: bool = False  # every request needs a gateway token
+    limits: tuple[Limit, ...] = ()  # on all of this gateway's traffic
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """A gateway token (known by its SHA-256 only) and its own limits."""
+
+    name: str
+    sha256: str
+    gateways: tuple[str, ...] = ()  # empty: every gateway
+    limits: tuple[Limit, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +132,8 @@ class GatewayConfig:
     max_body_bytes: int = 4 * 1024**2
     breaker_failures: int = 5
     breaker_cooldown_s: float = 30.0
-    cache_url: str | None = None  # redis://...; None: the SQLite store
+    redis_url: str | None = None  # cache and rate-limit counters there; None: the SQLite store
+    tokens: dict[str, Token] = field(default_factory=dict)  # by SHA-256
 
 
 def load_config(path: Path) -> GatewayConfig:
@@ -141,7 +165,28 @@ def parse_config(raw: dict[str, Any], path: Path) -> GatewayConfig:
             raise fail(key, f"{value} is out of range ({low} to {high or 'any'})")
         return value
 
-    known = {"store", "gateways", "providers", "prices", "circuit_breaker", "server", "cache"}
+    known = {"store", "gateways", "providers", "prices", "circuit_breaker", "server", "tokens"}
+
+    def limits(key: str, value: Any) -> tuple[Limit, ...]:
+        if not isinstance(value, list):
+            raise fail(key, "must be a list of {kind, limit, window_s, technique}")
+        found = []
+        for i, spec in enumerate(value):
+            spec = table(f"{key}[{i}]", spec)
+            kind, technique = spec.get("kind"), spec.get("technique", "fixed")
+            if kind not in LIMIT_KINDS:
+                raise fail(f"{key}[{i}].kind", f"{kind!r} is not one of {', '.join(LIMIT_KINDS)}")
+            if technique not in TECHNIQUES:
+                raise fail(f"{key}[{i}].technique",
+                           f"{technique!r} is not one of {', '.join(TECHNIQUES)}")  # fmt: skip
+            unknown = set(spec) - {"kind", "limit", "window_s", "technique"}
+            if unknown:
+                raise fail(f"{key}[{i}]", f"unknown keys {sorted(unknown)}")
+            found.append(Limit(kind, int(number(f"{key}[{i}].limit", spec.get("limit"), 1)),
+                               float(number(f"{key}[{i}].window_s", spec.get("window_s"), 0.001)),
+                               technique))  # fmt: skip
+        return tuple(found)
+
     for key in raw:
         if key not in known:
             raise fail(key, f"unknown section (expected one of {', '.join(sorted(known))})")
@@ -171,7 +216,7 @@ def parse_config(raw: dict[str, Any], path: Path) -> GatewayConfig:
         key = f"gateways.{name}"
         spec = table(key, spec)
         unknown = set(spec) - {"request_timeout_ms", "max_attempts", "retry_delay_ms", "backoff",
-                               "cache_ttl_s"}  # fmt: skip
+                               "cache_ttl_s", "authentication", "limits"}  # fmt: skip
         if unknown:
             raise fail(key, f"unknown keys {sorted(unknown)}")
         backoff = spec.get("backoff", "constant")
@@ -186,7 +231,11 @@ def parse_config(raw: dict[str, Any], path: Path) -> GatewayConfig:
             number(f"{key}.request_timeout_ms", spec.get("request_timeout_ms", 60_000), 1)
         )
         ttl = int(number(f"{key}.cache_ttl_s", spec.get("cache_ttl_s", 0), 0))
-        gateways[name] = Gateway(name, timeout, retry, ttl)
+        authentication = spec.get("authentication", False)
+        if not isinstance(authentication, bool):
+            raise fail(f"{key}.authentication", "must be true or false")
+        gateways[name] = Gateway(name, timeout, retry, ttl, authentication,
+                                 limits(f"{key}.limits", spec.get("limits", [])))  # fmt: skip
     if not gateways:
         raise fail("gateways", "at least one gateway is needed, e.g. [gateways.default]")
     prices = {}
@@ -203,15 +252,30 @@ def parse_config(raw: dict[str, Any], path: Path) -> GatewayConfig:
         store_path = path.parent / store_path
     breaker = table("circuit_breaker", raw.get("circuit_breaker", {}))
     server = table("server", raw.get("server", {}))
-    cache = table("cache", raw.get("cache", {}))
-    cache_url = cache.get("url")
-    if cache_url is not None and (not isinstance(cache_url, str) or not cache_url.startswith(
+    redis_url = store.get("redis_url")
+    if redis_url is not None and (not isinstance(redis_url, str) or not redis_url.startswith(
             ("redis://", "rediss://", "unix://"))):  # fmt: skip
-        raise fail("cache.url", "must be a redis:// URL (leave it out for the SQLite store)")
+        raise fail("store.redis_url", "must be a redis:// URL (leave it out for SQLite only)")
+    tokens = {}
+    for name, spec in table("tokens", raw.get("tokens", {})).items():
+        key = f"tokens.{name}"
+        spec = table(key, spec)
+        digest = spec.get("sha256")
+        if not isinstance(digest, str) or len(digest) != 64 or not all(
+                c in "0123456789abcdef" for c in digest.lower()):  # fmt: skip
+            raise fail(f"{key}.sha256", "must be the token's SHA-256 in hex (64 characters)")
+        allowed = spec.get("gateways", [])
+        if not isinstance(allowed, list) or any(g not in gateways for g in allowed):
+            raise fail(f"{key}.gateways", f"must list configured gateways ({', '.join(gateways)})")
+        unknown = set(spec) - {"sha256", "gateways", "limits"}
+        if unknown:
+            raise fail(key, f"unknown keys {sorted(unknown)}")
+        tokens[digest.lower()] = Token(name, digest.lower(), tuple(allowed),
+                                       limits(f"{key}.limits", spec.get("limits", [])))  # fmt: skip
     return GatewayConfig(
         providers, gateways, store_path, prices,
         int(number("server.max_body_bytes", server.get("max_body_bytes", 4 * 1024**2), 1)),
         int(number("circuit_breaker.failures", breaker.get("failures", 5), 1)),
         float(number("circuit_breaker.cooldown_s", breaker.get("cooldown_s", 30.0), 0)),
-        cache_url,
+        redis_url, tokens,
     )  # fmt: skip
