@@ -34,13 +34,15 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from infire.gateway.analytics import GROUPINGS, analytics, render_metrics, timeseries
 from infire.gateway.cache import (
     KEPT_HEADERS,
     Cache,
@@ -64,6 +66,7 @@ from infire.gateway.upstream import CircuitBreaker, Outcome, Step, outgoing_head
 from infire.server.errors import APIError, error_response
 
 logger = logging.getLogger("infire.gateway")
+DASHBOARD = Path(__file__).with_name("dashboard.html")
 PAYLOAD_LIMIT = 64 * 1024  # bytes of a body kept in the log
 USAGE_SCAN_LIMIT = 4 * 1024**2  # bytes of a JSON answer read for its usage
 _RESPONSE_DROPPED = {"content-length", "transfer-encoding", "connection", "keep-alive",
@@ -347,6 +350,59 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def health() -> Response:
         return JSONResponse({"status": "ok"})
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        text = await asyncio.to_thread(render_metrics, store, breaker.opened, cache.hits,
+                                       cache.misses)  # fmt: skip
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/dashboard")
+    async def dashboard() -> Response:
+        return HTMLResponse(DASHBOARD.read_text())
+
+    @app.get("/dashboard/api/gateways")
+    async def gateways() -> Response:
+        return JSONResponse({"gateways": list(config.gateways)})
+
+    @app.get("/{gateway}/analytics")
+    async def analytics_route(gateway: str, request: Request) -> Response:
+        name = gateway_of(gateway).name
+        start, end = _time_range(request)
+        group_by = request.query_params.get("group_by", "provider,model")
+        if group_by not in GROUPINGS:
+            raise APIError(400, f"group_by must be one of {', '.join(map(repr, GROUPINGS))}",
+                           param="group_by")  # fmt: skip
+        result = await asyncio.to_thread(analytics, store, name, start, end, group_by)
+        return JSONResponse(result)
+
+    @app.get("/{gateway}/analytics/timeseries")
+    async def timeseries_route(gateway: str, request: Request) -> Response:
+        name = gateway_of(gateway).name
+        start, end = _time_range(request)
+        bucket = _query_number(request, "bucket_s", 60, 1)
+        buckets = await asyncio.to_thread(timeseries, store, name, start, end, int(bucket))
+        return JSONResponse({"buckets": buckets})
+
+    @app.get("/{gateway}/logs")
+    async def logs(gateway: str, request: Request) -> Response:
+        name = gateway_of(gateway).name
+        q = request.query_params
+        start, end = _time_range(request)
+        limit = int(_query_number(request, "limit", 20, 1, 500))
+        offset = int(_query_number(request, "offset", 0, 0))
+        filters = {k: q[k] for k in ("provider", "model", "status", "cache", "search") if q.get(k)}
+        total, rows = await asyncio.to_thread(store.page, name, limit, offset, start, end,
+                                              filters)  # fmt: skip
+        return JSONResponse({"total": total, "rows": rows})
+
+    @app.get("/{gateway}/logs/{log_id}")
+    async def log_entry(gateway: str, log_id: str) -> Response:
+        name = gateway_of(gateway).name
+        row = await asyncio.to_thread(store.get, name, log_id)
+        if row is None:
+            raise APIError(404, f"no log entry {log_id!r} in gateway {name!r}", code="not_found")
+        return JSONResponse(row)
+
     @app.post("/{gateway}/compat/chat/completions")
     async def compat(gateway: str, request: Request) -> Response:
         call = await start(request, gateway, "compat/chat/completions")
@@ -443,6 +499,28 @@ class RateLimited(APIError):
     """429 with the seconds after which the limit admits the request."""
 
     retry_after: float = 1.0
+
+
+def _query_number(request: Request, name: str, default: float, low: float,
+                  high: float | None = None) -> float:  # fmt: skip
+    value = request.query_params.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        raise APIError(400, f"{name} must be a number", param=name) from None
+    if number < low or (high is not None and number > high):
+        raise APIError(400, f"{name} must be between {low:g} and {high or 'any'}", param=name)
+    return number
+
+
+def _time_range(request: Request) -> tuple[float | None, float | None]:
+    """start and end (unix seconds) from the query; either may be absent."""
+    q = request.query_params
+    start = _query_number(request, "start", -1, 0) if q.get("start") else None
+    end = _query_number(request, "end", -1, 0) if q.get("end") else None
+    return start, end
 
 
 def _reservation(body: bytes) -> int:

@@ -52,7 +52,8 @@ else:  # pragma: no cover (3.10)
 KINDS = ("openai", "workers-ai", "infire")
 BACKOFFS = ("constant", "linear", "exponential")
 MAX_ATTEMPTS = 5
-RESERVED = ("compat", "analytics")  # path words the routes use after {gateway}
+RESERVED = ("compat", "analytics", "logs")  # path words the routes use after {gateway}
+RESERVED_GATEWAYS = ("dashboard", "metrics", "health")  # the gateway's own routes
 
 
 class ConfigError(InfireError):
@@ -215,6 +216,8 @@ def parse_config(raw: dict[str, Any], path: Path) -> GatewayConfig:
     for name, spec in table("gateways", raw.get("gateways", {})).items():
         key = f"gateways.{name}"
         spec = table(key, spec)
+        if name in RESERVED_GATEWAYS:
+            raise fail(key, f"{name!r} is reserved for a route")
         unknown = set(spec) - {"request_timeout_ms", "max_attempts", "retry_delay_ms", "backoff",
                                "cache_ttl_s", "authentication", "limits"}  # fmt: skip
         if unknown:
