@@ -268,3 +268,17 @@ def test_provider_keys_reach_the_upstream_only(gateway: Gateway, upstream: Fault
     assert KEY_A not in dump and KEY_B not in dump
     assert KEY_A not in gateway.log.read_text() and KEY_B not in gateway.log.read_text()
     assert _row(gateway, r.headers["cf-aig-log-id"])["metadata"] == '{"team": "x"}'
+
+
+def test_a_client_that_goes_away_mid_stream_is_still_logged(
+    gateway: Gateway, upstream: FaultUpstream
+):
+    upstream.script(["slow-stream:300"], key="leaver")
+    with httpx.stream("POST", f"{gateway.url}/main/a/chat/completions",
+                      json=_chat("one two three four five six", stream=True),
+                      headers={"x-fault-key": "leaver"}, timeout=30) as r:  # fmt: skip
+        log_id = r.headers["cf-aig-log-id"]
+        next(r.iter_lines())  # one line, then hang up
+    row = _row(gateway, log_id)
+    assert row["status"] == 200 and "client went away" in row["error"]
+    assert _post(gateway, "/main/a/chat/completions", _chat()).status_code == 200

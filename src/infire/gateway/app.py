@@ -63,7 +63,7 @@ from infire.gateway.config import (
 from infire.gateway.limits import Admission, open_counters
 from infire.gateway.store import LogStore
 from infire.gateway.upstream import CircuitBreaker, Outcome, Step, outgoing_headers, send
-from infire.server.errors import APIError, error_response
+from infire.server.errors import APIError, error_response, json_object
 
 logger = logging.getLogger("infire.gateway")
 DASHBOARD = Path(__file__).with_name("dashboard.html")
@@ -108,9 +108,18 @@ def create_app(config: GatewayConfig) -> FastAPI:
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=limits)
 
+    pending: set[asyncio.Task] = set()  # wrap-ups running after their answers
+
+    def later(work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202 (FastAPI's lifespan protocol)
         yield
+        if pending:  # answers finished but not yet logged
+            await asyncio.gather(*pending, return_exceptions=True)
         await client.aclose()
         await cache.backend.close()
         await counters.close()
@@ -268,8 +277,20 @@ def create_app(config: GatewayConfig) -> FastAPI:
         record = call.cache_key is not None and 200 <= response.status_code < 300
         tap = UsageTap(response.headers.get("content-type", ""), strip_usage, call.collect, record)
 
+        async def wrap_up(error: str | None) -> None:
+            """After the answer: close it, fill or release the cache, log the row."""
+            await response.aclose()
+            if call.cache_key is not None:
+                entry = None
+                if record and error is None:
+                    kept = {k: v for k, v in headers.items() if k in KEPT_HEADERS}
+                    entry = Entry(response.status_code, kept, b"".join(tap.recorded),
+                                  call.provider, outcome.step)  # fmt: skip
+                await cache.done(call.cache_key, entry, call.cache_ttl_s)
+            await finish(call, response.status_code, outcome, tap.usage, error, tap.kept)
+
         async def body() -> AsyncIterator[bytes]:
-            error = None
+            error, complete = None, False
             try:
                 async for chunk in response.aiter_raw():
                     out = tap.feed(chunk)
@@ -278,19 +299,16 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 rest = tap.finish()
                 if rest:
                     yield rest
+                complete = True
             except httpx.HTTPError as e:
                 error = f"the upstream answer broke off: {type(e).__name__}"
                 raise
             finally:
-                await response.aclose()
-                if call.cache_key is not None:
-                    entry = None
-                    if record and error is None:
-                        kept = {k: v for k, v in headers.items() if k in KEPT_HEADERS}
-                        entry = Entry(response.status_code, kept, b"".join(tap.recorded),
-                                      call.provider, outcome.step)  # fmt: skip
-                    await cache.done(call.cache_key, entry, call.cache_ttl_s)
-                await finish(call, response.status_code, outcome, tap.usage, error, tap.kept)
+                if not complete and error is None and not tap.ended:
+                    error = "the client went away before the answer was complete"
+                # A task of its own: when the client goes away this generator is cancelled,
+                # and the log row and the cache waiters must not go with it.
+                later(wrap_up(error))
 
         return StreamingResponse(body(), status_code=response.status_code,
                                  headers={**headers, **gateway_headers})  # fmt: skip
@@ -406,7 +424,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post("/{gateway}/compat/chat/completions")
     async def compat(gateway: str, request: Request) -> Response:
         call = await start(request, gateway, "compat/chat/completions")
-        body = _json_object(call.request_body)
+        body = json_object(call.request_body)
         model = body.get("model")
         if not isinstance(model, str) or "/" not in model:
             raise APIError(400, "model must be 'provider/model'", param="model")
@@ -566,6 +584,7 @@ class UsageTap:
         self.record = record
         self.recorded: list[bytes] = []  # with record: every byte the client got
         self.usage = Usage()
+        self.ended = False  # a server-sent event stream's closing `data: [DONE]` went by
         self.kept = b""
         self._pending = b""  # SSE: the unfinished event; JSON: the body so far
 
@@ -618,6 +637,8 @@ class UsageTap:
     def _event(self, event: bytes) -> bytes | None:
         """The event to send on (None: dropped), its usage noted."""
         text = event.strip(b"\r\n")
+        if text == b"data: [DONE]":
+            self.ended = True
         if not text.startswith(b"data:") or b'"usage"' not in text:
             return event
         try:
@@ -658,16 +679,6 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise APIError(413, f"request body is larger than {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def _json_object(raw: bytes) -> dict[str, Any]:
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "request body must be a JSON object", code="invalid_json")
-    return data
 
 
 def _json_headers(headers: Any) -> dict[str, str]:

@@ -129,13 +129,8 @@ class LogStore:
         """(matching rows, one page of them newest first, without bodies). filters:
         provider, model, status (2xx / 4xx / 5xx or a code), cache (HIT / MISS), search
         (a substring of id, provider, model, endpoint or error)."""
-        where, args = ["gateway = ?"], [gateway]
-        if start is not None:
-            where.append("created >= ?")
-            args.append(start)
-        if end is not None:
-            where.append("created < ?")
-            args.append(end)
+        clause, args = _range(gateway, start, end)
+        where = [clause]
         f = filters or {}
         for column in ("provider", "model"):
             if f.get(column):

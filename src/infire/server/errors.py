@@ -87,14 +87,18 @@ def _validation_error(exc: RequestValidationError | ValidationError) -> APIError
 
 async def parse_body(request: Request, model: type[M]) -> M:
     """The JSON body as `model`, whatever the content type; 400 naming the problem."""
-    raw = await request.body()
+    return model.model_validate(json_object(await request.body()))
+
+
+def json_object(raw: bytes) -> dict:
+    """A request body that must be a JSON object; 400 (invalid_json) when it is not."""
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
-    return model.model_validate(data)
+    return data
 
 
 def error_response(request: Request, exc: BaseException) -> JSONResponse:
