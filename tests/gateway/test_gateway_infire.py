@@ -141,6 +141,9 @@ def test_bad_input_is_a_clear_openai_error(gateway: Gateway, path: str, body: by
     assert r.status_code == status
     error = r.json()["error"]
     assert fragment in error["message"] and set(error) == {"message", "type", "param", "code"}
+    if not path.startswith("/nogateway"):  # refused requests of a known gateway are logged
+        row = _row(gateway, status=status, error=error["message"])
+        assert row["gateway"] == "main"
 
 
 def test_oversized_body_is_413(gateway: Gateway):

@@ -97,6 +97,7 @@ class Call:
     cache_status: str | None = None  # HIT | MISS
     token: Token | None = None  # the gateway token the client showed
     reserved: list[Admission] = field(default_factory=list)  # against token limits
+    logged: bool = False
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -144,6 +145,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         """The call's log record, with the body read (413 past the limit) and the headers
         checked."""
         call = Call(gateway_of(gateway), endpoint)
+        request.state.call = call  # so that an error answer is logged too
         headers = request.headers
         call.collect = headers.get("cf-aig-collect-log-payload", "true").lower() != "false"
         call.metadata = _json_header(headers, "cf-aig-metadata", dict)
@@ -207,6 +209,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     async def finish(call: Call, status: int, outcome: Outcome | None, usage: Usage,
                      error: str | None = None, response_body: bytes = b"") -> None:  # fmt: skip
+        call.logged = True
         tokens_in, tokens_out = usage.prompt, usage.completion
         if tokens_in is not None or tokens_out is not None:
             used = (tokens_in or 0) + (tokens_out or 0)
@@ -501,13 +504,19 @@ def create_app(config: GatewayConfig) -> FastAPI:
         plan_cache(request, call)
         return await relay(call, [step], strip)
 
-    for exc_type in (APIError, HTTPException, Exception):
+    for exc_type in (HTTPException, Exception):
         app.add_exception_handler(exc_type, error_response)
 
-    @app.exception_handler(RateLimited)
-    async def rate_limited(request: Request, exc: RateLimited) -> Response:
-        return JSONResponse(exc.body(), status_code=429,
-                            headers={"retry-after": str(max(1, math.ceil(exc.retry_after)))})  # fmt: skip
+    @app.exception_handler(APIError)
+    async def refused(request: Request, exc: APIError) -> Response:
+        """The error answer, logged when it ends a call that was not logged yet."""
+        call = getattr(request.state, "call", None)
+        if call is not None and not call.logged:
+            await finish(call, exc.status, None, Usage(), exc.message)
+        if isinstance(exc, RateLimited):
+            return JSONResponse(exc.body(), status_code=429,
+                                headers={"retry-after": str(max(1, math.ceil(exc.retry_after)))})  # fmt: skip
+        return error_response(request, exc)
 
     return app
 
