@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_cpu_forward import _fused_logits
 
 from infire import LLM, SamplingParams
 from infire.config import CacheConfig
@@ -96,21 +97,10 @@ def _logits(runner: ModelRunner, folder: Path, prompt: list[int], steps: int) ->
         detokenizer=IncrementalDetokenizer(load_model(folder, torch.bfloat16).tokenizer),
     )  # fmt: skip
     blocks = BlockManager(runner.num_blocks, runner.block_size)
-    out = []
-    n = len(prompt)
-    for _ in range(steps + 1):
-        assert blocks.allocate(seq, seq.num_computed_tokens + n)
-        start = seq.num_computed_tokens
-        positions = list(range(start, start + n))
-        bs = runner.block_size
-        slots = [seq.block_table[p // bs] * bs + p % bs for p in positions]
-        logits = runner.fused.forward(
-            seq.token_ids[start:], positions, slots, [0] * n, [seq.block_table], [n - 1]
-        )[0]
-        seq.num_computed_tokens += n
-        seq.token_ids.append(int(logits.argmax()))
-        out.append(logits)
-        n = 1
+    out = [_fused_logits(runner, blocks, seq, len(prompt))]
+    for _ in range(steps):
+        seq.token_ids.append(int(out[-1].argmax()))
+        out.append(_fused_logits(runner, blocks, seq, 1))
     return out
 
 
