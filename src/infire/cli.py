@@ -198,9 +198,10 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config = load_config(Path(args.config))
     app = create_app(config)
+    reads = "need the admin token" if config.admin_sha256 else "are open to anyone"
     print(f"infire gateway: {len(config.providers)} providers, gateways "
-          f"{', '.join(config.gateways)}, log {config.store}, on http://{args.host}:{args.port}",
-          file=sys.stderr)  # fmt: skip
+          f"{', '.join(config.gateways)}, log {config.store}, on http://{args.host}:{args.port}; "
+          f"logs, analytics and metrics {reads}", file=sys.stderr)  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0
 

@@ -1,11 +1,13 @@
 """The dashboard page (`GET /dashboard`) in a real headless Chromium driven by Playwright,
 against a real `infire gateway` fed by the scripted fault upstream: the totals agree with
 the gateway's own analytics, every chart draws, the log table pages and filters, a row opens
-its detail with the request body. Screenshots go to tests/gateway/artifacts/. Skipped where
+its detail with the request body, and the page asks for the admin token the gateway
+needs for its data. Screenshots go to tests/gateway/artifacts/. Skipped where
 /usr/bin/chromium or the playwright package is missing, unless INFIRE_REQUIRE_BROWSER=1 (CI)."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -33,6 +35,9 @@ CHARTS = ["chart-requests", "chart-tokens", "chart-cost", "chart-errors", "chart
 NEEDLE = "needle-7f3a2c <b>not bold</b>"  # markup in a body must show as text
 METADATA = {"user": "ada", "team": "dashboards"}
 TIMEOUT_MS = 20_000
+ADMIN = "dashboard-admin-token"
+AUTH = {"authorization": f"Bearer {ADMIN}"}
+TOKEN_KEY = "infire-gateway-admin-token"  # where the page keeps the token (sessionStorage)
 
 
 @dataclass(slots=True)
@@ -101,6 +106,9 @@ output = 5.0
 [prices."openai/fault-model-mini"]
 input = 1.0
 output = 2.0
+
+[server]
+admin_sha256 = "{hashlib.sha256(ADMIN.encode()).hexdigest()}"
 """
     gw = Gateway(config, tmp_path_factory.mktemp("gateway-dashboard"))
     yield gw
@@ -152,17 +160,19 @@ def traffic(gateway: Gateway, upstream: FaultUpstream) -> Traffic:
 
 
 def _logs(gw: Gateway, **params: object) -> dict:
-    r = httpx.get(f"{gw.url}/main/logs", params=params, timeout=10)
+    r = httpx.get(f"{gw.url}/main/logs", params=params, headers=AUTH, timeout=10)
     r.raise_for_status()
     return r.json()
 
 
 @pytest.fixture
 def dashboard(browser: Browser, gateway: Gateway, traffic: Traffic) -> Iterator[Dashboard]:
-    """The dashboard, opened on gateway main over the last hour, with its first load done."""
+    """The dashboard, signed in, opened on gateway main over the last hour, with its first
+    load done."""
     r = httpx.get(f"{gateway.url}/dashboard", timeout=10)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    context.add_init_script(f"sessionStorage.setItem({TOKEN_KEY!r}, {ADMIN!r})")
     page = context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
@@ -203,7 +213,8 @@ def test_totals_and_charts(dashboard: Dashboard, gateway: Gateway, traffic: Traf
     page = dashboard.page
     now = int(time.time())
     analytics = httpx.get(f"{gateway.url}/main/analytics",
-                          params={"start": now - 3600, "end": now + 1}, timeout=10).json()  # fmt: skip
+                          params={"start": now - 3600, "end": now + 1}, headers=AUTH,
+                          timeout=10).json()  # fmt: skip
     total = analytics["total"]
     assert total["requests"] == len(traffic.ids) and total["errors"] == len(traffic.error_ids)
     requests = page.locator('#totals [data-metric="requests"]')
@@ -281,3 +292,37 @@ def test_a_row_opens_its_detail(dashboard: Dashboard, traffic: Traffic):
     page.click("#detail-close")
     expect(detail).to_be_hidden()
     assert dashboard.errors == []
+
+
+def test_the_page_asks_for_the_admin_token(browser: Browser, gateway: Gateway, traffic: Traffic):
+    from playwright.sync_api import expect
+
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.goto(f"{gateway.url}/dashboard")
+    expect(page.locator("#signin")).to_be_visible()
+    expect(page.locator("#error")).to_contain_text("admin token")
+    expect(page.locator("#signout")).to_be_hidden()
+    page.fill("#token", "not-the-token")
+    page.click("#signin-submit")
+    expect(page.locator("#error")).to_contain_text("admin token")
+    expect(page.locator("#signin")).to_be_visible()
+    assert page.evaluate(f"sessionStorage.getItem({TOKEN_KEY!r})") is None  # a wrong one is dropped
+    page.fill("#token", ADMIN)
+    page.click("#signin-submit")
+    expect(page.locator("#signin")).to_be_hidden()
+    expect(page.locator("#signout")).to_be_visible()
+    expect(page.locator("#error")).to_be_hidden()
+    _settle(page)
+    expect(page.locator('#totals [data-metric="requests"] .value')).to_have_text(
+        str(len(traffic.ids))
+    )
+    page.reload()  # kept for the tab
+    _settle(page)
+    expect(page.locator("#signin")).to_be_hidden()
+    page.click("#signout")
+    expect(page.locator("#signin")).to_be_visible()
+    assert errors == []
+    context.close()

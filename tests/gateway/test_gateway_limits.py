@@ -1,6 +1,7 @@
 """Gateway tokens and rate limits, on SQLite and on a real Redis: 401 without a valid
 token, exact admission under 50 concurrent requests (requests and tokens, fixed and
-sliding windows), 429 in OpenAI's shape with Retry-After, windows that reopen."""
+sliding windows), 429 in OpenAI's shape with Retry-After, windows that reopen; the read
+routes (logs, analytics, metrics, the dashboard's data) behind the admin token."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from fault_upstream import FaultUpstream
 from gateway_harness import Gateway
 
 TOKEN_A, TOKEN_B = "gw-token-alpha", "gw-token-bravo"
+ADMIN = "gw-admin-charlie"
 
 
 def _sha(token: str) -> str:
@@ -52,6 +54,9 @@ limits = [{{ kind = "requests", limit = 7, window_s = 2, technique = "sliding" }
 [providers.up]
 kind = "openai"
 base_url = "{upstream.base_url}"
+
+[server]
+admin_sha256 = "{_sha(ADMIN)}"
 
 [tokens.alpha]
 sha256 = "{_sha(TOKEN_A)}"
@@ -102,6 +107,33 @@ def test_authenticated_gateway_needs_a_valid_token(gateway: Gateway):
         assert httpx.post(url, json=_chat(), headers=headers, timeout=30).status_code == 200
     # tokens are stored hashed: the config file holds no token
     assert TOKEN_A not in gateway.config_path.read_text()
+    assert ADMIN not in gateway.config_path.read_text()
+
+
+def test_read_routes_need_the_admin_token(gateway: Gateway):
+    sent = httpx.post(f"{gateway.url}/open/up/chat/completions", json=_chat(), timeout=30)
+    log_id = sent.headers["cf-aig-log-id"]
+    reads = ["/metrics", "/dashboard/api/gateways", "/open/analytics",
+             "/open/analytics/timeseries", "/open/logs", f"/open/logs/{log_id}",
+             "/locked/logs", "/nowhere/logs"]  # fmt: skip
+    for path in reads:  # no token, a wrong one, a gateway token: 401 (before any 404)
+        for headers in ({}, {"authorization": "Bearer wrong"},
+                        {"authorization": f"Bearer {TOKEN_B}"}, {"authorization": ADMIN}):  # fmt: skip
+            r = httpx.get(f"{gateway.url}{path}", headers=headers, timeout=30)
+            assert r.status_code == 401, (path, headers)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+            assert "admin token" in r.json()["error"]["message"]
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    for path in reads[:-1]:
+        assert httpx.get(f"{gateway.url}{path}", headers=admin, timeout=30).status_code == 200
+    r = httpx.get(f"{gateway.url}/nowhere/logs", headers=admin, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "gateway_not_found"
+    cf = {"cf-aig-authorization": f"Bearer {ADMIN}"}
+    row = httpx.get(f"{gateway.url}/open/logs/{log_id}", headers=cf, timeout=30).json()
+    assert row["id"] == log_id and row["status"] == 200
+    # the page itself holds no data; /health neither
+    assert httpx.get(f"{gateway.url}/dashboard", timeout=30).status_code == 200
+    assert httpx.get(f"{gateway.url}/health", timeout=30).status_code == 200
 
 
 def test_request_limit_is_exact_under_50_concurrent_requests(gateway: Gateway):

@@ -20,12 +20,17 @@ usage (from the answer; for streamed chat completions the gateway asks upstream 
 `cf-aig-metadata`, and, unless `cf-aig-collect-log-payload: false`, the bodies. Its id
 comes back in `cf-aig-log-id`. Errors are OpenAI-shaped JSON; a provider's own error
 answer (after its retries) is passed through as it came.
+
+The read routes (`/{gateway}/analytics`, `/{gateway}/logs`, `/metrics`, the dashboard's
+data) need the admin token (`Authorization: Bearer ...`) when `[server] admin_sha256` is
+set; `/dashboard` itself and `/health` hold no data and are open.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import json
 import logging
 import math
@@ -38,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
@@ -169,12 +174,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
     def authenticate(request: Request, gateway: Gateway) -> Token | None:
         """The gateway token in cf-aig-authorization (or Authorization); 401 when the
         gateway needs one and there is none that is valid for it."""
-        value = request.headers.get("cf-aig-authorization") or request.headers.get(
-            "authorization", ""
-        )
         token = None
-        if value[:7].lower() == "bearer ":
-            digest = hashlib.sha256(value[7:].strip().encode()).hexdigest()
+        digest = _bearer_sha256(request)
+        if digest is not None:
             token = config.tokens.get(digest)
             if token is not None and token.gateways and gateway.name not in token.gateways:
                 token = None
@@ -367,11 +369,22 @@ def create_app(config: GatewayConfig) -> FastAPI:
                       backoff or default.backoff)  # fmt: skip
         return (timeout or gateway.request_timeout_ms) / 1000, retry
 
+    def admin(request: Request) -> None:
+        """401 on a read route without the admin token, when the config sets one."""
+        if config.admin_sha256 is None:
+            return
+        digest = _bearer_sha256(request)
+        if digest is None or not hmac.compare_digest(digest, config.admin_sha256):
+            raise APIError(401, "this route needs the gateway's admin token "
+                           "(Authorization: Bearer ...)", code="invalid_api_key")  # fmt: skip
+
+    read = [Depends(admin)]  # the routes that show logs, analytics and metrics
+
     @app.get("/health")
     async def health() -> Response:
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=read)
     async def metrics() -> Response:
         text = await asyncio.to_thread(render_metrics, store, breaker.opened, cache.hits,
                                        cache.misses)  # fmt: skip
@@ -381,11 +394,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def dashboard() -> Response:
         return HTMLResponse(DASHBOARD.read_text())
 
-    @app.get("/dashboard/api/gateways")
+    @app.get("/dashboard/api/gateways", dependencies=read)
     async def gateways() -> Response:
         return JSONResponse({"gateways": list(config.gateways)})
 
-    @app.get("/{gateway}/analytics")
+    @app.get("/{gateway}/analytics", dependencies=read)
     async def analytics_route(gateway: str, request: Request) -> Response:
         name = gateway_of(gateway).name
         start, end = _time_range(request)
@@ -396,7 +409,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         result = await asyncio.to_thread(analytics, store, name, start, end, group_by)
         return JSONResponse(result)
 
-    @app.get("/{gateway}/analytics/timeseries")
+    @app.get("/{gateway}/analytics/timeseries", dependencies=read)
     async def timeseries_route(gateway: str, request: Request) -> Response:
         name = gateway_of(gateway).name
         start, end = _time_range(request)
@@ -404,7 +417,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         buckets = await asyncio.to_thread(timeseries, store, name, start, end, int(bucket))
         return JSONResponse({"buckets": buckets})
 
-    @app.get("/{gateway}/logs")
+    @app.get("/{gateway}/logs", dependencies=read)
     async def logs(gateway: str, request: Request) -> Response:
         name = gateway_of(gateway).name
         q = request.query_params
@@ -416,7 +429,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                                               filters)  # fmt: skip
         return JSONResponse({"total": total, "rows": rows})
 
-    @app.get("/{gateway}/logs/{log_id}")
+    @app.get("/{gateway}/logs/{log_id}", dependencies=read)
     async def log_entry(gateway: str, log_id: str) -> Response:
         name = gateway_of(gateway).name
         row = await asyncio.to_thread(store.get, name, log_id)
@@ -526,6 +539,15 @@ class RateLimited(APIError):
     """429 with the seconds after which the limit admits the request."""
 
     retry_after: float = 1.0
+
+
+def _bearer_sha256(request: Request) -> str | None:
+    """The SHA-256 (hex) of the bearer token in cf-aig-authorization, else Authorization."""
+    headers = request.headers
+    value = headers.get("cf-aig-authorization") or headers.get("authorization", "")
+    if value[:7].lower() != "bearer ":
+        return None
+    return hashlib.sha256(value[7:].strip().encode()).hexdigest()
 
 
 def _query_number(request: Request, name: str, default: float, low: float,

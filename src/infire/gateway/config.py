@@ -30,6 +30,10 @@ output = 0.60
 [circuit_breaker]
 failures = 5                   # consecutive failed attempts that open it
 cooldown_s = 30
+
+[server]
+max_body_bytes = 4194304
+admin_sha256 = "..."           # the admin token's SHA-256: logs, analytics, metrics, dashboard
 """
 
 from __future__ import annotations
@@ -135,6 +139,7 @@ class GatewayConfig:
     breaker_cooldown_s: float = 30.0
     redis_url: str | None = None  # cache and rate-limit counters there; None: the SQLite store
     tokens: dict[str, Token] = field(default_factory=dict)  # by SHA-256
+    admin_sha256: str | None = None  # the read routes need this token; None: they are open
 
 
 def load_config(path: Path) -> GatewayConfig:
@@ -165,6 +170,13 @@ def parse_config(raw: dict[str, Any], path: Path) -> GatewayConfig:
         if value < low or (high is not None and value > high):
             raise fail(key, f"{value} is out of range ({low} to {high or 'any'})")
         return value
+
+    def digest(key: str, value: Any) -> str:
+        if not isinstance(value, str) or len(value) != 64 or not all(
+                c in "0123456789abcdef" for c in value.lower()):  # fmt: skip
+            raise fail(key, "must be the token's SHA-256 in hex (64 characters): "
+                       'printf %s "$TOKEN" | sha256sum')  # fmt: skip
+        return value.lower()
 
     known = {"store", "gateways", "providers", "prices", "circuit_breaker", "server", "tokens"}
 
@@ -263,22 +275,30 @@ def parse_config(raw: dict[str, Any], path: Path) -> GatewayConfig:
     for name, spec in table("tokens", raw.get("tokens", {})).items():
         key = f"tokens.{name}"
         spec = table(key, spec)
-        digest = spec.get("sha256")
-        if not isinstance(digest, str) or len(digest) != 64 or not all(
-                c in "0123456789abcdef" for c in digest.lower()):  # fmt: skip
-            raise fail(f"{key}.sha256", "must be the token's SHA-256 in hex (64 characters)")
+        sha256 = digest(f"{key}.sha256", spec.get("sha256"))
         allowed = spec.get("gateways", [])
         if not isinstance(allowed, list) or any(g not in gateways for g in allowed):
             raise fail(f"{key}.gateways", f"must list configured gateways ({', '.join(gateways)})")
         unknown = set(spec) - {"sha256", "gateways", "limits"}
         if unknown:
             raise fail(key, f"unknown keys {sorted(unknown)}")
-        tokens[digest.lower()] = Token(name, digest.lower(), tuple(allowed),
+        tokens[sha256] = Token(name, sha256, tuple(allowed),
                                        limits(f"{key}.limits", spec.get("limits", [])))  # fmt: skip
+    unknown = set(server) - {"max_body_bytes", "admin_sha256"}
+    if unknown:
+        raise fail("server", f"unknown keys {sorted(unknown)}")
+    admin = server.get("admin_sha256")
+    if admin is not None:
+        admin = digest("server.admin_sha256", admin)
+    for name, gateway in gateways.items():
+        if gateway.authentication and admin is None:
+            raise fail(f"gateways.{name}.authentication",
+                       "a gateway with authentication needs [server] admin_sha256, so that "
+                       "its logs and analytics are not open to anyone")  # fmt: skip
     return GatewayConfig(
         providers, gateways, store_path, prices,
         int(number("server.max_body_bytes", server.get("max_body_bytes", 4 * 1024**2), 1)),
         int(number("circuit_breaker.failures", breaker.get("failures", 5), 1)),
         float(number("circuit_breaker.cooldown_s", breaker.get("cooldown_s", 30.0), 0)),
-        redis_url, tokens,
+        redis_url, tokens, admin,
     )  # fmt: skip
