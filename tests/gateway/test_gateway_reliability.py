@@ -211,6 +211,20 @@ def test_a_stream_that_breaks_off_upstream_breaks_off_for_the_client(
     assert _post(gateway, "/main/a/chat/completions", _chat()).status_code == 200
 
 
+def test_a_whole_answer_that_breaks_off_upstream_is_a_502(
+    gateway: Gateway, upstream: FaultUpstream
+):
+    # not a stream: the gateway reads the answer whole, so half of it is never relayed
+    upstream.script(["drop-mid-stream"], key="half")
+    r = _post(gateway, "/main/a/chat/completions", _chat("a b c"), **{"x-fault-key": "half"})
+    assert r.status_code == 502, r.text
+    assert r.json()["error"]["code"] == "upstream_unavailable"
+    assert "broke off" in r.json()["error"]["message"]
+    row = _row(gateway, r.headers["cf-aig-log-id"])
+    assert row["status"] == 502 and "broke off" in row["error"]
+    assert _post(gateway, "/main/a/chat/completions", _chat()).status_code == 200
+
+
 def test_circuit_breaker_skips_a_failing_provider_for_its_cooldown(
     upstream: FaultUpstream, tmp_path: Path
 ):
@@ -273,7 +287,9 @@ def test_provider_keys_reach_the_upstream_only(gateway: Gateway, upstream: Fault
 def test_a_client_that_goes_away_mid_stream_is_still_logged(
     gateway: Gateway, upstream: FaultUpstream
 ):
-    upstream.script(["slow-stream:300"], key="leaver")
+    # 2 s between events: the whole stream takes over 14 s, so a row within _row's 5 s
+    # shows that the gateway stopped relaying (and reading upstream) when the client left
+    upstream.script(["slow-stream:2000"], key="leaver")
     with httpx.stream("POST", f"{gateway.url}/main/a/chat/completions",
                       json=_chat("one two three four five six", stream=True),
                       headers={"x-fault-key": "leaver"}, timeout=30) as r:  # fmt: skip

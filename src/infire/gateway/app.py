@@ -42,10 +42,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-from fastapi import Depends, FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.types import Receive, Scope, Send
 
 from infire.gateway.analytics import GROUPINGS, analytics, render_metrics, timeseries
 from infire.gateway.cache import (
@@ -67,7 +68,15 @@ from infire.gateway.config import (
 )
 from infire.gateway.limits import Admission, open_counters
 from infire.gateway.store import LogStore
-from infire.gateway.upstream import CircuitBreaker, Outcome, Step, outgoing_headers, send
+from infire.gateway.upstream import (
+    CircuitBreaker,
+    Client,
+    Outcome,
+    Step,
+    UpstreamError,
+    outgoing_headers,
+    send,
+)
 from infire.server.errors import APIError, error_response, json_object
 
 logger = logging.getLogger("infire.gateway")
@@ -105,14 +114,13 @@ class Call:
     logged: bool = False
 
 
-def create_app(config: GatewayConfig) -> FastAPI:
+def create_app(config: GatewayConfig) -> Starlette:
     """The gateway app over a checked config (the log store opens here)."""
     store = LogStore(config.store)
     cache = Cache(open_backend(config.redis_url, config.store))
     counters = open_counters(config.redis_url, config.store)
     breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s)
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=limits)
+    client = Client()
 
     pending: set[asyncio.Task] = set()  # wrap-ups running after their answers
 
@@ -122,16 +130,33 @@ def create_app(config: GatewayConfig) -> FastAPI:
         task.add_done_callback(pending.discard)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):  # noqa: ANN202 (FastAPI's lifespan protocol)
+    async def lifespan(app: Starlette):  # noqa: ANN202 (Starlette's lifespan protocol)
         yield
         if pending:  # answers finished but not yet logged
             await asyncio.gather(*pending, return_exceptions=True)
-        await client.aclose()
+        await client.close()
         await cache.backend.close()
         await counters.close()
         store.close()
 
-    app = FastAPI(title="infire gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # Starlette, not FastAPI: the routes read their own input, and the hot ones skip
+    # FastAPI's per-request dependency solving.
+    app = Starlette(lifespan=lifespan)
+
+    def route(path: str, methods: tuple[str, ...] = ("GET",), admin_only: bool = False) -> Any:
+        """Register an endpoint taking the request (path parameters in request.path_params);
+        admin_only: the read routes behind the admin token."""
+
+        def register(endpoint: Any) -> Any:
+            async def guarded(request: Request) -> Response:
+                admin(request)
+                return await endpoint(request)
+
+            app.add_route(path, guarded if admin_only else endpoint, methods=list(methods))
+            return endpoint
+
+        return register
+
     app.state.store, app.state.breaker, app.state.cache = store, breaker, cache
 
     def gateway_of(name: str) -> Gateway:
@@ -191,9 +216,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
         subjects = [(f"gateway:{call.gateway.name}", limit) for limit in call.gateway.limits]
         if call.token is not None:
             subjects += [(f"token:{call.token.name}", limit) for limit in call.token.limits]
-        reservation = _reservation(call.request_body)
+        if not subjects:
+            return
+        reservation = None  # max_tokens, read only when a token limit needs it
         admitted: list[Admission] = []
         for subject, limit in subjects:
+            if limit.kind == "tokens" and reservation is None:
+                reservation = _reservation(call.request_body)
             cost = 1 if limit.kind == "requests" else reservation
             key = f"{subject}:{limit.kind}:{limit.technique}:{limit.window_s:g}"
             result = await counters.admit(key, limit, cost)
@@ -236,7 +265,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             "request_body": _text(call.request_body) if call.collect else None,
             "response_body": _text(response_body) if call.collect else None,
         }  # fmt: skip
-        await asyncio.to_thread(store.insert, row)
+        store.write(row)  # inserted by the store's writer thread
         logger.info(json.dumps({k: row[k] for k in ("id", "gateway", "provider", "model",
                                                     "status", "latency_ms", "error")}))  # fmt: skip
 
@@ -294,6 +323,22 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 await cache.done(call.cache_key, entry, call.cache_ttl_s)
             await finish(call, response.status_code, outcome, tap.usage, error, tap.kept)
 
+        if _whole(response.headers):
+            # A small answer that is not a stream: read whole, then sent in one piece. The
+            # client gets no byte of it sooner either way; one that breaks off is a 502.
+            try:
+                data = await response.aread()
+            except UpstreamError as e:
+                await response.aclose()
+                if call.cache_key is not None:
+                    await cache.done(call.cache_key, None, call.cache_ttl_s)
+                raise APIError(502, f"the upstream answer broke off: {type(e).__name__}",
+                               type="server_error", code="upstream_unavailable") from None  # fmt: skip
+            data = tap.feed(data) + tap.finish()
+            later(wrap_up(None))
+            return Response(data, status_code=response.status_code,
+                            headers={**headers, **gateway_headers})  # fmt: skip
+
         async def body() -> AsyncIterator[bytes]:
             error, complete = None, False
             try:
@@ -305,7 +350,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 if rest:
                     yield rest
                 complete = True
-            except httpx.HTTPError as e:
+            except UpstreamError as e:
                 error = f"the upstream answer broke off: {type(e).__name__}"
                 raise
             finally:
@@ -315,8 +360,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 # and the log row and the cache waiters must not go with it.
                 later(wrap_up(error))
 
-        return StreamingResponse(body(), status_code=response.status_code,
-                                 headers={**headers, **gateway_headers})  # fmt: skip
+        return Relay(body(), response.status_code, {**headers, **gateway_headers})
 
     def plan_cache(request: Request, call: Call) -> None:
         """Whether this answer may come from the cache, and under which key."""
@@ -378,29 +422,27 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise APIError(401, "this route needs the gateway's admin token "
                            "(Authorization: Bearer ...)", code="invalid_api_key")  # fmt: skip
 
-    read = [Depends(admin)]  # the routes that show logs, analytics and metrics
-
-    @app.get("/health")
-    async def health() -> Response:
+    @route("/health")
+    async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics", dependencies=read)
-    async def metrics() -> Response:
+    @route("/metrics", admin_only=True)
+    async def metrics(request: Request) -> Response:
         text = await asyncio.to_thread(render_metrics, store, breaker.opened, cache.hits,
                                        cache.misses)  # fmt: skip
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/dashboard")
-    async def dashboard() -> Response:
+    @route("/dashboard")
+    async def dashboard(request: Request) -> Response:
         return HTMLResponse(DASHBOARD.read_text())
 
-    @app.get("/dashboard/api/gateways", dependencies=read)
-    async def gateways() -> Response:
+    @route("/dashboard/api/gateways", admin_only=True)
+    async def gateways(request: Request) -> Response:
         return JSONResponse({"gateways": list(config.gateways)})
 
-    @app.get("/{gateway}/analytics", dependencies=read)
-    async def analytics_route(gateway: str, request: Request) -> Response:
-        name = gateway_of(gateway).name
+    @route("/{gateway}/analytics", admin_only=True)
+    async def analytics_route(request: Request) -> Response:
+        name = gateway_of(request.path_params["gateway"]).name
         start, end = _time_range(request)
         group_by = request.query_params.get("group_by", "provider,model")
         if group_by not in GROUPINGS:
@@ -409,17 +451,17 @@ def create_app(config: GatewayConfig) -> FastAPI:
         result = await asyncio.to_thread(analytics, store, name, start, end, group_by)
         return JSONResponse(result)
 
-    @app.get("/{gateway}/analytics/timeseries", dependencies=read)
-    async def timeseries_route(gateway: str, request: Request) -> Response:
-        name = gateway_of(gateway).name
+    @route("/{gateway}/analytics/timeseries", admin_only=True)
+    async def timeseries_route(request: Request) -> Response:
+        name = gateway_of(request.path_params["gateway"]).name
         start, end = _time_range(request)
         bucket = _query_number(request, "bucket_s", 60, 1)
         buckets = await asyncio.to_thread(timeseries, store, name, start, end, int(bucket))
         return JSONResponse({"buckets": buckets})
 
-    @app.get("/{gateway}/logs", dependencies=read)
-    async def logs(gateway: str, request: Request) -> Response:
-        name = gateway_of(gateway).name
+    @route("/{gateway}/logs", admin_only=True)
+    async def logs(request: Request) -> Response:
+        name = gateway_of(request.path_params["gateway"]).name
         q = request.query_params
         start, end = _time_range(request)
         limit = int(_query_number(request, "limit", 20, 1, 500))
@@ -429,17 +471,18 @@ def create_app(config: GatewayConfig) -> FastAPI:
                                               filters)  # fmt: skip
         return JSONResponse({"total": total, "rows": rows})
 
-    @app.get("/{gateway}/logs/{log_id}", dependencies=read)
-    async def log_entry(gateway: str, log_id: str) -> Response:
-        name = gateway_of(gateway).name
+    @route("/{gateway}/logs/{log_id}", admin_only=True)
+    async def log_entry(request: Request) -> Response:
+        name = gateway_of(request.path_params["gateway"]).name
+        log_id = request.path_params["log_id"]
         row = await asyncio.to_thread(store.get, name, log_id)
         if row is None:
             raise APIError(404, f"no log entry {log_id!r} in gateway {name!r}", code="not_found")
         return JSONResponse(row)
 
-    @app.post("/{gateway}/compat/chat/completions")
-    async def compat(gateway: str, request: Request) -> Response:
-        call = await start(request, gateway, "compat/chat/completions")
+    @route("/{gateway}/compat/chat/completions", ("POST",))
+    async def compat(request: Request) -> Response:
+        call = await start(request, request.path_params["gateway"], "compat/chat/completions")
         body = json_object(call.request_body)
         model = body.get("model")
         if not isinstance(model, str) or "/" not in model:
@@ -456,9 +499,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         plan_cache(request, call)
         return await relay(call, [step], strip)
 
-    @app.post("/{gateway}")
-    async def universal(gateway: str, request: Request) -> Response:
-        call = await start(request, gateway, "universal")
+    @route("/{gateway}", ("POST",))
+    async def universal(request: Request) -> Response:
+        call = await start(request, request.path_params["gateway"], "universal")
         try:
             steps_in = json.loads(call.request_body)
         except (ValueError, UnicodeDecodeError):
@@ -494,8 +537,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         plan_cache(request, call)
         return await relay(call, steps, strip_usage=all(strips))
 
-    @app.api_route("/{gateway}/{provider}/{path:path}", methods=["GET", "POST"])
-    async def passthrough(gateway: str, provider: str, path: str, request: Request) -> Response:
+    @route("/{gateway}/{provider}/{path:path}", ("GET", "POST"))
+    async def passthrough(request: Request) -> Response:
+        gateway, provider, path = (request.path_params[k] for k in ("gateway", "provider", "path"))
         call = await start(request, gateway, path)
         target = provider_of(provider)
         call.provider = target.name
@@ -520,17 +564,21 @@ def create_app(config: GatewayConfig) -> FastAPI:
     for exc_type in (HTTPException, Exception):
         app.add_exception_handler(exc_type, error_response)
 
-    @app.exception_handler(APIError)
     async def refused(request: Request, exc: APIError) -> Response:
         """The error answer, logged when it ends a call that was not logged yet."""
         call = getattr(request.state, "call", None)
         if call is not None and not call.logged:
             await finish(call, exc.status, None, Usage(), exc.message)
         if isinstance(exc, RateLimited):
-            return JSONResponse(exc.body(), status_code=429,
-                                headers={"retry-after": str(max(1, math.ceil(exc.retry_after)))})  # fmt: skip
-        return error_response(request, exc)
+            response = JSONResponse(exc.body(), status_code=429, headers={
+                "retry-after": str(max(1, math.ceil(exc.retry_after)))})  # fmt: skip
+        else:
+            response = error_response(request, exc)
+        if call is not None:
+            response.headers["cf-aig-log-id"] = call.log_id
+        return response
 
+    app.add_exception_handler(APIError, refused)
     return app
 
 
@@ -601,6 +649,57 @@ class Usage:
             completion = usage.get("completion_tokens", usage.get("output_tokens"))
             self.prompt = prompt if isinstance(prompt, int) else self.prompt
             self.completion = completion if isinstance(completion, int) else self.completion
+
+
+WHOLE_MAX_BYTES = 1 << 20  # answers up to this size (not streams) are read whole
+
+
+def _whole(headers: dict[str, str]) -> bool:
+    """Whether an answer is small, of known length and not a stream of events."""
+    length = headers.get("content-length", "")
+    return (length.isdigit() and int(length) <= WHOLE_MAX_BYTES
+            and not headers.get("content-type", "").startswith("text/event-stream"))  # fmt: skip
+
+
+class Relay(Response):
+    """An answer sent on chunk by chunk as it comes. When the client goes away, the sending
+    stops (and with it the reading upstream): one asyncio task waits for that, where
+    Starlette's StreamingResponse spends an anyio task group per answer."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], status_code: int,
+                 headers: dict[str, str]) -> None:  # fmt: skip
+        self.chunks = chunks
+        self.status_code = status_code
+        self.background = None
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sending = asyncio.current_task()
+        assert sending is not None
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            sending.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})  # fmt: skip
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            if hasattr(sending, "uncancel"):  # Python 3.11+: the cancel was ours, undo it
+                sending.uncancel()
+        finally:
+            watcher.cancel()
+            await self.chunks.aclose()  # type: ignore[attr-defined]
 
 
 class UsageTap:

@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import sqlite3
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+from infire.gateway.store import connect
 
 # Answer headers an entry keeps (the rest belong to the original exchange).
 KEPT_HEADERS = ("content-type",)
@@ -57,11 +58,9 @@ class SqliteBackend:
     """Entries in a `cache` table, expired ones ignored and pruned on write."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db = connect(path)
         with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("CREATE TABLE IF NOT EXISTS cache (key TEXT PRIMARY KEY, "
                              "expires REAL NOT NULL, value BLOB NOT NULL)")  # fmt: skip
 

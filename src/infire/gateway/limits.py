@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import math
-import sqlite3
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+
+from infire.gateway.store import connect
 
 KINDS = ("requests", "tokens")
 TECHNIQUES = ("fixed", "sliding")
@@ -57,12 +58,9 @@ class SqliteCounters:
     processes sharing the file never over-admit."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None,
-                                   timeout=30)  # fmt: skip
+        self._db = connect(path)
         with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("CREATE TABLE IF NOT EXISTS limit_buckets (key TEXT, bucket INTEGER, "
                              "amount INTEGER, PRIMARY KEY (key, bucket))")  # fmt: skip
             self._db.execute("CREATE TABLE IF NOT EXISTS limit_events (id TEXT PRIMARY KEY, "

@@ -1,18 +1,24 @@
 """The request log in SQLite: one row per request through the gateway.
 
-One connection, used from a worker thread under a lock (the event loop never waits on
-the disk); WAL mode so readers (analytics, the dashboard) do not block the writer.
+One connection under a lock. Rows are handed to a writer thread (`write` never waits on
+the disk) that inserts whatever has queued up in one transaction; every read first waits
+until the rows written before it are in. WAL mode so readers (analytics, the dashboard)
+do not block the writer.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger("infire.gateway")
 
 COLUMNS = {
     "id": "TEXT PRIMARY KEY",  # cf-aig-log-id
@@ -86,34 +92,93 @@ class LatencyCounts:
     at_most: tuple[int, ...]  # rows with latency_ms <= each bound, in the bounds' order
 
 
+def connect(path: Path) -> sqlite3.Connection:
+    """A connection to the gateway's SQLite file (made if missing), shared by threads under
+    the caller's lock: autocommit, WAL, and fsync at checkpoints only (synchronous=NORMAL:
+    a crash of the process loses nothing, a power cut at most the last transactions), and
+    up to 30 s of waiting for another gateway process's write lock."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=30)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    return db
+
+
 class LogStore:
     """Insert and read request rows."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db = connect(path)
         self._db.row_factory = sqlite3.Row
         with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
             columns = ", ".join(f"{name} {kind}" for name, kind in COLUMNS.items())
             self._db.execute(f"CREATE TABLE IF NOT EXISTS requests ({columns})")
             self._db.execute("CREATE INDEX IF NOT EXISTS requests_time ON requests(created)")
 
+        self._pending: list[dict[str, Any]] = []  # written, not inserted yet
+        self._writing = False
+        self._closed = False
+        self._changed = threading.Condition()
+        self._writer = threading.Thread(target=self._write_rows, name="gateway-log-writer",
+                                        daemon=True)  # fmt: skip
+        self._writer.start()
+
+    def write(self, row: dict[str, Any]) -> None:
+        """Queue a row for the writer thread (returns at once)."""
+        with self._changed:
+            self._pending.append(row)
+            self._changed.notify_all()
+
+    def flush(self) -> None:
+        """Wait until every row written so far is in the database."""
+        with self._changed:
+            self._changed.wait_for(lambda: not (self._pending or self._writing))
+
     def insert(self, row: dict[str, Any]) -> None:
-        names = [name for name in COLUMNS if name in row]
-        values = [json.dumps(row[n]) if n == "metadata" and row[n] is not None else row[n]
-                  for n in names]  # fmt: skip
-        sql = f"INSERT INTO requests ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})"
+        """Write a row and wait until it is in."""
+        self.write(row)
+        self.flush()
+
+    def _write_rows(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._pending or self._closed)
+                if not self._pending:
+                    return
+                rows, self._pending, self._writing = self._pending, [], True
+            try:
+                with self._lock:
+                    self._db.execute("BEGIN")
+                    for row in rows:
+                        names = [name for name in COLUMNS if name in row]
+                        values = [json.dumps(row[n]) if n == "metadata" and row[n] is not None
+                                  else row[n] for n in names]  # fmt: skip
+                        self._db.execute(f"INSERT INTO requests ({', '.join(names)}) VALUES "
+                                         f"({', '.join('?' * len(names))})", values)  # fmt: skip
+                    self._db.execute("COMMIT")
+            except sqlite3.Error:
+                logger.exception("could not log %d requests", len(rows))
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+            finally:
+                with self._changed:
+                    self._writing = False
+                    self._changed.notify_all()
+
+    @contextmanager
+    def _reading(self) -> Iterator[sqlite3.Connection]:
+        """The connection, once the rows written before are in."""
+        self.flush()
         with self._lock:
-            self._db.execute(sql, values)
+            yield self._db
 
     def rows(self, gateway: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
         """The newest rows first (of one gateway, or all)."""
         where, args = ("WHERE gateway = ?", [gateway]) if gateway else ("", [])
         sql = f"SELECT * FROM requests {where} ORDER BY created DESC LIMIT ?"
-        with self._lock:
+        with self._reading():
             found = self._db.execute(sql, [*args, limit]).fetchall()
         return [_decoded(dict(r)) for r in found]
 
@@ -153,7 +218,7 @@ class LogStore:
             args += [like] * 5
         clause = " AND ".join(where)
         columns = ", ".join(c for c in COLUMNS if c not in ("request_body", "response_body"))
-        with self._lock:
+        with self._reading():
             total = self._db.execute(f"SELECT COUNT(*) FROM requests WHERE {clause}",
                                      args).fetchone()[0]  # fmt: skip
             found = self._db.execute(
@@ -163,7 +228,7 @@ class LogStore:
 
     def get(self, gateway: str, log_id: str) -> dict[str, Any] | None:
         """One row with its bodies, or None."""
-        with self._lock:
+        with self._reading():
             row = self._db.execute("SELECT * FROM requests WHERE gateway = ? AND id = ?",
                                    (gateway, log_id)).fetchone()  # fmt: skip
         return None if row is None else _decoded(dict(row))
@@ -190,7 +255,7 @@ class LogStore:
         where, args = _range(gateway, start, end)
         select = "".join(f"{k}, " for k in keys)
         group = f"GROUP BY {', '.join(str(i + 1) for i in range(len(keys)))}" if keys else ""
-        with self._lock:
+        with self._reading():
             # one read transaction: the sums and the latencies see the same rows
             self._db.execute("BEGIN")
             try:
@@ -222,7 +287,7 @@ class LogStore:
         """Requests, tokens and cost of all time, per gateway, provider, model and status."""
         sql = ("SELECT gateway, provider, model, status, COUNT(*), COALESCE(SUM(tokens_in), 0), "
                "COALESCE(SUM(tokens_out), 0), TOTAL(cost) FROM requests GROUP BY 1, 2, 3, 4")  # fmt: skip
-        with self._lock:
+        with self._reading():
             found = self._db.execute(sql).fetchall()
         return [CounterTotals(*r) for r in found]
 
@@ -232,11 +297,16 @@ class LogStore:
         at_most = "".join(", COUNT(CASE WHEN latency_ms <= ? THEN 1 END)" for _ in bounds_ms)
         sql = (f"SELECT gateway, provider, model, COUNT(*), TOTAL(latency_ms){at_most} "
                "FROM requests WHERE latency_ms IS NOT NULL GROUP BY 1, 2, 3")  # fmt: skip
-        with self._lock:
+        with self._reading():
             found = self._db.execute(sql, list(bounds_ms)).fetchall()
         return [LatencyCounts(*r[:5], tuple(r[5:])) for r in found]
 
     def close(self) -> None:
+        """Insert what is queued, then close."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+        self._writer.join()
         with self._lock:
             self._db.close()
 

@@ -6,6 +6,9 @@ which are the client's to see), waiting the configured backoff, or the upstream'
 Retry-After when it asks for longer (up to MAX_RETRY_AFTER_S). A step whose attempts are
 spent falls back to the next one. A provider whose attempts failed `failures` times in a
 row is skipped for `cooldown_s` (then one attempt is let through to probe it).
+
+Upstream connections are one aiohttp session per gateway process (pooled, kept alive, no
+cookie jar: tenants never share cookies), opened on first use inside the event loop.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from infire.gateway.config import Provider, Retry
 
@@ -58,11 +62,79 @@ class Failure:
     headers: dict[str, str] = field(default_factory=dict)
 
 
+UpstreamError = aiohttp.ClientError  # a connection that failed or broke off
+
+
+class Answer:
+    """An upstream answer whose body is still to read; header names in lower case."""
+
+    __slots__ = ("_response", "headers", "status_code")
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self._response = response
+        self.status_code = response.status
+        self.headers: dict[str, str] = {}
+        for name, value in response.headers.items():
+            name = name.lower()
+            self.headers[name] = f"{self.headers[name]}, {value}" if name in self.headers else value
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        """The body as it arrives (de-chunked, never decompressed); UpstreamError when the
+        connection breaks off, after what had arrived before the break."""
+        content = self._response.content
+        while True:
+            try:
+                chunk = await content.readany()
+            except aiohttp.ClientPayloadError:
+                # aiohttp raises before handing out what it had already received: relay
+                # that first (its private reader; guarded by test_gateway_reliability)
+                left = content._read_nowait(-1)
+                if left:
+                    yield left
+                raise
+            if not chunk:
+                return
+            yield chunk
+
+    async def aread(self) -> bytes:
+        return await self._response.read()
+
+    async def aclose(self) -> None:
+        """Back to the pool when the body was read to its end, else the connection closes."""
+        if self._response.content.at_eof():
+            self._response.release()
+        else:
+            self._response.close()
+
+
+class Client:
+    """The pooled connections to every upstream."""
+
+    def __init__(self, max_connections: int = 1024) -> None:
+        self.max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0,
+                                             keepalive_timeout=30)  # fmt: skip
+            self._session = aiohttp.ClientSession(
+                connector=connector, cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+                skip_auto_headers=("Content-Type",),  # as the client sent it, or none
+            )  # fmt: skip
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
 @dataclass(slots=True)
 class Outcome:
     """The upstream response being relayed (its body not read yet), or the failures."""
 
-    response: httpx.Response | None
+    response: Answer | None
     step: int
     attempts: int
     failures: list[Failure]
@@ -107,14 +179,14 @@ def _retryable(status: int) -> bool:
     return status == 429 or status >= 500
 
 
-def _retry_after(headers: httpx.Headers) -> float:
+def _retry_after(headers: dict[str, str]) -> float:
     try:
         return min(MAX_RETRY_AFTER_S, max(0.0, float(headers.get("retry-after", "0"))))
     except ValueError:
         return 0.0
 
 
-async def send(client: httpx.AsyncClient, steps: list[Step], breaker: CircuitBreaker) -> Outcome:
+async def send(client: Client, steps: list[Step], breaker: CircuitBreaker) -> Outcome:
     """The first answer that is not a retryable failure, trying steps and attempts in order.
 
     A non-retryable answer (2xx, 3xx, 4xx other than 429) is returned with its body still
@@ -138,16 +210,13 @@ async def send(client: httpx.AsyncClient, steps: list[Step], breaker: CircuitBre
                 "accept-encoding": "identity",
                 **step.provider.auth_headers(),
             }
-            request = client.build_request(
-                step.method, step.url, content=step.body, headers=headers
-            )
             try:
-                response = await asyncio.wait_for(client.send(request, stream=True), step.timeout_s)
-            except TimeoutError:
+                response = await asyncio.wait_for(_open(client, step, headers), step.timeout_s)
+            except asyncio.TimeoutError:  # (TimeoutError itself from 3.11 on)
                 failures.append(Failure(index, name, f"timeout ({step.timeout_s * 1000:.0f} ms)"))
                 breaker.record(name, ok=False)
                 continue
-            except httpx.HTTPError as e:
+            except UpstreamError as e:
                 failures.append(Failure(index, name, f"{type(e).__name__}: {e}".rstrip(": ")))
                 breaker.record(name, ok=False)
                 continue
@@ -156,9 +225,17 @@ async def send(client: httpx.AsyncClient, steps: list[Step], breaker: CircuitBre
                 await response.aclose()
                 wait = _retry_after(response.headers)
                 failures.append(Failure(index, name, f"HTTP {response.status_code}",
-                                        response.status_code, body, dict(response.headers)))  # fmt: skip
+                                        response.status_code, body, response.headers))  # fmt: skip
                 breaker.record(name, ok=False)
                 continue
             breaker.record(name, ok=True)
             return Outcome(response, index, attempts, failures, time.monotonic() - start)
     return Outcome(None, len(steps) - 1, attempts, failures)
+
+
+async def _open(client: Client, step: Step, headers: dict[str, str]) -> Answer:
+    """Send the request; the answer once its status and headers are in."""
+    response = await client.session().request(
+        step.method, step.url, data=step.body or None, headers=headers, allow_redirects=False
+    )
+    return Answer(response)
