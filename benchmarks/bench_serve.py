@@ -15,11 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -28,17 +24,12 @@ from machine_load import wait_until_idle
 from infire.bench import plot
 from infire.bench import serve as bench
 from infire.models.loader import default_model_path, load_tokenizer
+from infire.serverproc import ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 PEER_PYTHON = ROOT / ".bench-venv" / "bin" / "python"
 VENV_BIN = ROOT / ".venv" / "bin"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_command(name: str, gguf: Path, port: int) -> list[str]:
@@ -83,37 +74,24 @@ def hf_folder(gguf: Path) -> Path:
     return folder
 
 
-class Running:
-    """A server subprocess, ready when /v1/models answers."""
+def _lists_a_model(response: httpx.Response) -> bool:
+    return response.status_code == 200 and bool(response.json().get("data"))
+
+
+class Running(ServerProcess):
+    """A server subprocess, ready when /v1/models lists a model (`model`)."""
 
     def __init__(self, name: str, gguf: Path, log: Path) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}/v1"
-        env = {**os.environ, "OMP_NUM_THREADS": "2"}
-        with log.open("w") as out:
-            self.process = subprocess.Popen(server_command(name, gguf, self.port), stdout=out,
-                                            stderr=subprocess.STDOUT, env=env)  # fmt: skip
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{name} server exited; see {log}")
-            try:
-                response = httpx.get(f"{self.base_url}/models", timeout=5)
-                if response.status_code == 200 and response.json().get("data"):
-                    self.model = response.json()["data"][0]["id"]
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"{name} server not ready in 600 s; see {log}")
+        port = free_port()
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+        super().__init__(f"{name} server", server_command(name, gguf, port), port,
+                         f"{self.base_url}/models", log=log, env={"OMP_NUM_THREADS": "2"},
+                         timeout=600, ready=_lists_a_model, poll_s=0.5)  # fmt: skip
+        assert self.last is not None
+        self.model = self.last.json()["data"][0]["id"]
 
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+    def stop(self, timeout: float = 30.0) -> None:
+        super().stop(timeout)
 
 
 def main() -> None:

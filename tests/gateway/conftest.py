@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from infire.serverproc import ServerProcess, free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))  # harness.Server
 
@@ -39,27 +38,10 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         if os.environ.get("INFIRE_REQUIRE_REDIS") == "1":
             pytest.fail("redis-server is not installed (.ci/run installs Debian's package)")
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     folder = tmp_path_factory.mktemp("redis")
-    process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(folder)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-        except OSError:
-            if time.monotonic() > deadline or process.poll() is not None:
-                process.kill()
-                raise RuntimeError("redis-server did not start") from None
-            time.sleep(0.05)
-    try:
+    command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+               "no", "--dir", str(folder)]  # fmt: skip
+    redis = ServerProcess("redis-server", command, port, None, timeout=20)
+    with redis:
         yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        process.terminate()
-        process.wait(timeout=10)

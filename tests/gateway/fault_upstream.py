@@ -20,10 +20,7 @@ import argparse
 import asyncio
 import json
 import os
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
@@ -35,6 +32,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from infire.serverproc import ServerProcess, free_port
 
 FAULT_KEY_HEADER = "x-fault-key"
 DEFAULT_MODELS = ("fault-model",)
@@ -314,39 +313,16 @@ def build_app(model_names: Sequence[str] = DEFAULT_MODELS) -> ASGIApp:
     return _expose_transport(app)
 
 
-class FaultUpstream:
+class FaultUpstream(ServerProcess):
     """The fault upstream as a subprocess on a free port; `url` is its root, `base_url` its /v1."""
 
     def __init__(self, models: Sequence[str] = DEFAULT_MODELS, timeout: float = 30.0) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
         self.base_url = f"{self.url}/v1"
-        self._log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed by stop)
-        command = [sys.executable, os.path.abspath(__file__), "--port", str(self.port)]
+        command = [sys.executable, os.path.abspath(__file__), "--port", str(port)]
         command += [arg for name in models for arg in ("--model", name)]
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
-        self._wait_ready(timeout)
-
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"fault upstream exited:\n{self.output()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"fault upstream not ready in {timeout}s:\n{self.output()}")
-
-    def output(self) -> str:
-        """What the process printed so far (uvicorn's log, tracebacks)."""
-        self._log.seek(0)
-        return self._log.read()
+        super().__init__("fault upstream", command, port, f"{self.url}/health", timeout=timeout)
 
     def script(
         self, steps: Sequence[str], *, key: str | None = None, model: str | None = None
@@ -362,21 +338,6 @@ class FaultUpstream:
     def reset(self) -> None:
         """Forget the recorded calls and every queued step."""
         httpx.post(f"{self.url}/_reset").raise_for_status()
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self._log.close()
-
-    def __enter__(self) -> FaultUpstream:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
 
 
 def main() -> None:

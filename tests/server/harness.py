@@ -3,51 +3,26 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
+from infire.serverproc import ServerProcess, free_port
+
 TINY_NAME = "tiny-llama"
 
 
-class Server:
+class Server(ServerProcess):
     """One `infire serve` process; `url` is its root, `base_url` its /v1."""
 
     def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
         self.base_url = f"{self.url}/v1"
-        self.log = log
-        self.not_ready: list[httpx.Response] = []  # /health answers before it was ready
-        command = [sys.executable, "-m", "infire.cli", "serve", "--port", str(self.port), *args]
-        with log.open("w") as out:
-            self.process = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
-            )
-        self._wait_ready()
-
-    def _wait_ready(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"infire serve exited:\n{self.log.read_text()}")
-            try:
-                response = httpx.get(f"{self.url}/health", timeout=2)
-                if response.status_code == 200:
-                    return
-                self.not_ready.append(response)
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"infire serve not ready in {timeout}s:\n{self.log.read_text()}")
+        command = [sys.executable, "-m", "infire.cli", "serve", "--port", str(port), *args]
+        super().__init__("infire serve", command, port, f"{self.url}/health", log=log, env=env,
+                         timeout=180, poll_s=0.1)  # fmt: skip
 
     def metrics(self) -> dict[str, float]:
         """The `infire:` samples of /metrics, by name (labels dropped, summed)."""
@@ -58,13 +33,6 @@ class Server:
                 name = name.split("{", 1)[0]
                 values[name] = values.get(name, 0.0) + float(value)
         return values
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
 
 
 def sse_events(response: httpx.Response) -> list[dict | str]:
