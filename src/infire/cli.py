@@ -196,6 +196,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from infire.gateway import create_app, load_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.no_access_log:
+        logging.getLogger("infire.gateway.access").setLevel(logging.WARNING)
     config = load_config(Path(args.config))
     app = create_app(config)
     reads = "need the admin token" if config.admin_sha256 else "are open to anyone"
@@ -471,6 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--config", required=True, help="the gateway.toml to serve")
     gateway.add_argument("--host", default="127.0.0.1", help="address (default: 127.0.0.1)")
     gateway.add_argument("--port", type=int, default=8787, help="port (default: 8787)")
+    gateway.add_argument("--no-access-log", action="store_true",
+                         help="no JSON line per request on stderr (the SQLite log keeps them)")  # fmt: skip
     gateway.set_defaults(func=cmd_gateway)
     return parser
 

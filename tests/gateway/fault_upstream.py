@@ -219,6 +219,8 @@ async def _begin(request: Request) -> Step | Response:
     state.calls.append({"method": request.method, "path": request.url.path,
                         "query": request.url.query, "headers": dict(request.headers),
                         "body": body, "time": time.time(), "step": step.text})  # fmt: skip
+    if request.app.state.delay_s:  # --delay-ms: every answer waits (the benchmark's "LLM")
+        await asyncio.sleep(request.app.state.delay_s)
     if step.kind == "slow":
         await asyncio.sleep(step.delay_s)
     if step.kind == "drop":
@@ -297,7 +299,7 @@ def _expose_transport(app: ASGIApp) -> ASGIApp:
     return wrapped
 
 
-def build_app(model_names: Sequence[str] = DEFAULT_MODELS) -> ASGIApp:
+def build_app(model_names: Sequence[str] = DEFAULT_MODELS, delay_s: float = 0.0) -> ASGIApp:
     """The fault upstream as an ASGI app (served by uvicorn's h11 protocol)."""
     app = Starlette(routes=[
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -310,18 +312,22 @@ def build_app(model_names: Sequence[str] = DEFAULT_MODELS) -> ASGIApp:
     ])  # fmt: skip
     app.state.faults = FaultState()
     app.state.models = list(model_names)
+    app.state.delay_s = delay_s
     return _expose_transport(app)
 
 
 class FaultUpstream(ServerProcess):
     """The fault upstream as a subprocess on a free port; `url` is its root, `base_url` its /v1."""
 
-    def __init__(self, models: Sequence[str] = DEFAULT_MODELS, timeout: float = 30.0) -> None:
+    def __init__(
+        self, models: Sequence[str] = DEFAULT_MODELS, timeout: float = 30.0, delay_ms: int = 0
+    ) -> None:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.base_url = f"{self.url}/v1"
         command = [sys.executable, os.path.abspath(__file__), "--port", str(port)]
         command += [arg for name in models for arg in ("--model", name)]
+        command += ["--delay-ms", str(delay_ms)]
         super().__init__("fault upstream", command, port, f"{self.url}/health", timeout=timeout)
 
     def script(
@@ -346,8 +352,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", action="append", help="a name /v1/models lists (repeatable)")
+    parser.add_argument("--delay-ms", type=int, default=0,
+                        help="every /v1 answer waits this long before its first byte")  # fmt: skip
     args = parser.parse_args()
-    app = build_app(args.model or DEFAULT_MODELS)
+    app = build_app(args.model or DEFAULT_MODELS, args.delay_ms / 1000)
     uvicorn.run(app, host="127.0.0.1", port=args.port, http="h11", log_level="warning")
 
 

@@ -261,3 +261,13 @@ def test_bad_scripts_are_refused(upstream: FaultUpstream, script: dict) -> None:
 
 def test_health(upstream: FaultUpstream) -> None:
     assert httpx.get(f"{upstream.url}/health").json() == {"status": "ok"}
+
+
+def test_delay_ms_holds_every_answer() -> None:
+    with FaultUpstream(delay_ms=400) as slow, httpx.Client(base_url=slow.base_url) as client:
+        for _ in range(2):  # every answer, not only the first (and after a reset)
+            start = time.monotonic()
+            r = client.post("/chat/completions", json=CHAT)
+            assert r.status_code == 200 and time.monotonic() - start >= 0.4
+            slow.reset()
+        assert client.get(f"{slow.url}/health").status_code == 200

@@ -298,3 +298,22 @@ def test_a_client_that_goes_away_mid_stream_is_still_logged(
     row = _row(gateway, log_id)
     assert row["status"] == 200 and "client went away" in row["error"]
     assert _post(gateway, "/main/a/chat/completions", _chat()).status_code == 200
+
+
+def test_access_log_lines_and_no_access_log(
+    gateway: Gateway, upstream: FaultUpstream, tmp_path: Path
+):
+    r = _post(gateway, "/main/a/chat/completions", _chat())
+    log_id = r.headers["cf-aig-log-id"]
+    _row(gateway, log_id)  # logged, so its stderr line went out before
+    line = next(json.loads(line.split(" infire.gateway.access ", 1)[1])
+                for line in gateway.output().splitlines() if log_id in line)  # fmt: skip
+    assert line["status"] == 200 and line["provider"] == "a" and line["error"] is None
+    quiet = Gateway(_config(upstream, 1000), tmp_path, env={"KEY_A": KEY_A, "KEY_B": KEY_B},
+                    args=["--no-access-log"])  # fmt: skip
+    try:
+        r = _post(quiet, "/main/a/chat/completions", _chat())
+        assert _row(quiet, r.headers["cf-aig-log-id"])["status"] == 200  # still in the store
+        assert r.headers["cf-aig-log-id"] not in quiet.output()
+    finally:
+        quiet.stop()

@@ -80,6 +80,7 @@ from infire.gateway.upstream import (
 from infire.server.errors import APIError, error_response, json_object
 
 logger = logging.getLogger("infire.gateway")
+access_logger = logging.getLogger("infire.gateway.access")  # a JSON line per request
 DASHBOARD = Path(__file__).with_name("dashboard.html")
 PAYLOAD_LIMIT = 64 * 1024  # bytes of a body kept in the log
 USAGE_SCAN_LIMIT = 4 * 1024**2  # bytes of a JSON answer read for its usage
@@ -266,8 +267,9 @@ def create_app(config: GatewayConfig) -> Starlette:
             "response_body": _text(response_body) if call.collect else None,
         }  # fmt: skip
         store.write(row)  # inserted by the store's writer thread
-        logger.info(json.dumps({k: row[k] for k in ("id", "gateway", "provider", "model",
-                                                    "status", "latency_ms", "error")}))  # fmt: skip
+        if access_logger.isEnabledFor(logging.INFO):
+            access_logger.info(json.dumps({k: row[k] for k in ("id", "gateway", "provider", "model",
+                                                               "status", "latency_ms", "error")}))  # fmt: skip
 
     async def relay(call: Call, steps: list[Step], strip_usage: bool) -> Response:
         if call.cache_key is None:

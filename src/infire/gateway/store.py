@@ -12,6 +12,7 @@ import json
 import logging
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ COLUMNS = {
     "request_body": "TEXT",  # only when cf-aig-collect-log-payload allows
     "response_body": "TEXT",
 }
+_GATHER_S = 0.002  # the writer's pause before it takes the rows waiting
 GROUP_COLUMNS = ("provider", "model")  # what analytics may group by
 
 # One row's contributions to the aggregates (COUNT of a CASE counts the rows it matches).
@@ -129,7 +131,8 @@ class LogStore:
         """Queue a row for the writer thread (returns at once)."""
         with self._changed:
             self._pending.append(row)
-            self._changed.notify_all()
+            if len(self._pending) == 1:  # the writer waits only for a first row
+                self._changed.notify_all()
 
     def flush(self) -> None:
         """Wait until every row written so far is in the database."""
@@ -142,21 +145,24 @@ class LogStore:
         self.flush()
 
     def _write_rows(self) -> None:
+        names = list(COLUMNS)
+        sql = f"INSERT INTO requests ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})"
         while True:
             with self._changed:
                 self._changed.wait_for(lambda: self._pending or self._closed)
                 if not self._pending:
                     return
-                rows, self._pending, self._writing = self._pending, [], True
+                self._writing = True
+            if not self._closed:
+                time.sleep(_GATHER_S)  # let the rows of a busy moment join one transaction
+            with self._changed:
+                rows, self._pending = self._pending, []
             try:
+                values = [[json.dumps(row[n]) if n == "metadata" and row.get(n) is not None
+                           else row.get(n) for n in names] for row in rows]  # fmt: skip
                 with self._lock:
                     self._db.execute("BEGIN")
-                    for row in rows:
-                        names = [name for name in COLUMNS if name in row]
-                        values = [json.dumps(row[n]) if n == "metadata" and row[n] is not None
-                                  else row[n] for n in names]  # fmt: skip
-                        self._db.execute(f"INSERT INTO requests ({', '.join(names)}) VALUES "
-                                         f"({', '.join('?' * len(names))})", values)  # fmt: skip
+                    self._db.executemany(sql, values)
                     self._db.execute("COMMIT")
             except sqlite3.Error:
                 logger.exception("could not log %d requests", len(rows))
