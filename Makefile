@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve chat test lint format bench bench-serve bench-unweight
+.PHONY: install serve chat test lint format bench bench-serve bench-unweight bench-gateway
 
 install: $(STAMP)
 
@@ -45,3 +45,10 @@ bench-serve: install
 bench-unweight: install
 	$(BIN)/python benchmarks/bench_unweight.py
 	$(BIN)/python benchmarks/bench_unweight_serving.py
+
+# LiteLLM's proxy lives in its own venv (git-ignored), apart from infire's dependencies.
+bench-gateway: install
+	test -x .bench-litellm/bin/litellm || ($(PYTHON) -m venv .bench-litellm && \
+		.bench-litellm/bin/pip install -q "litellm[proxy]")
+	$(BIN)/python benchmarks/bench_gateway.py
+	$(BIN)/python benchmarks/bench_gateway.py --upstream-delay-ms 100
