@@ -133,6 +133,18 @@ def test_universal_route_falls_back_past_a_dead_provider(gateway: Gateway):
         ("/main", b'{"provider": "local"}', 400, "JSON array of steps"),
         ("/main", b"[1]", 400, "step 0 is not an object"),
         ("/main", b'[{"provider": "ghost", "endpoint": "x"}]', 404, "unknown provider"),
+        (
+            "/main",
+            b'[{"provider": "local", "endpoint": "x", "headers": {"x-a": "1\\r\\nx-b: 2"}}]',
+            400,
+            "step 0: header 'x-a' has a line break",
+        ),
+        (
+            "/main",
+            b'[{"provider": "local", "endpoint": "x", "headers": {"bad name": "1"}}]',
+            400,
+            "step 0: header name 'bad name' is not valid",
+        ),
     ],
 )
 def test_bad_input_is_a_clear_openai_error(gateway: Gateway, path: str, body: bytes,

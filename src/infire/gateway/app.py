@@ -66,6 +66,7 @@ from infire.gateway.config import (
     Retry,
     Token,
 )
+from infire.gateway.http1 import check_headers
 from infire.gateway.limits import Admission, open_counters
 from infire.gateway.store import LogStore
 from infire.gateway.upstream import (
@@ -525,10 +526,10 @@ def create_app(config: GatewayConfig) -> Starlette:
             if not isinstance(extra, dict) or not isinstance(config_in, dict):
                 raise APIError(400, f"step {i}: headers and config must be objects", param=f"{i}")
             strips.append(_ask_usage(query))
-            headers = {
-                **_json_headers(request.headers),
-                **outgoing_headers({str(k).lower(): str(v) for k, v in extra.items()}),
-            }
+            extra = outgoing_headers({str(k).lower(): str(v) for k, v in extra.items()})
+            if (problem := check_headers(extra)) is not None:
+                raise APIError(400, f"step {i}: {problem}", param=f"{i}.headers")
+            headers = {**_json_headers(request.headers), **extra}
             timeout, retry = options(request, call.gateway, config_in)
             path = f"run/{endpoint}" if endpoint.startswith("@") else endpoint.lstrip("/")
             steps.append(Step(provider, "POST", path, "", json.dumps(query).encode(), headers,

@@ -7,8 +7,8 @@ Retry-After when it asks for longer (up to MAX_RETRY_AFTER_S). A step whose atte
 spent falls back to the next one. A provider whose attempts failed `failures` times in a
 row is skipped for `cooldown_s` (then one attempt is let through to probe it).
 
-Upstream connections are one aiohttp session per gateway process (pooled, kept alive, no
-cookie jar: tenants never share cookies), opened on first use inside the event loop.
+Upstream connections are one pool per gateway process (infire.gateway.http1: kept alive,
+no cookies, so tenants never share any), opened on first use inside the event loop.
 """
 
 from __future__ import annotations
@@ -16,12 +16,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import aiohttp
-
 from infire.gateway.config import Provider, Retry
+from infire.gateway.http1 import Pool, Response, UpstreamError
 
 logger = logging.getLogger("infire.gateway")
 MAX_RETRY_AFTER_S = 10.0
@@ -62,72 +60,17 @@ class Failure:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-UpstreamError = aiohttp.ClientError  # a connection that failed or broke off
-
-
-class Answer:
-    """An upstream answer whose body is still to read; header names in lower case."""
-
-    __slots__ = ("_response", "headers", "status_code")
-
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
-        self._response = response
-        self.status_code = response.status
-        self.headers: dict[str, str] = {}
-        for name, value in response.headers.items():
-            name = name.lower()
-            self.headers[name] = f"{self.headers[name]}, {value}" if name in self.headers else value
-
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
-        """The body as it arrives (de-chunked, never decompressed); UpstreamError when the
-        connection breaks off, after what had arrived before the break."""
-        content = self._response.content
-        while True:
-            try:
-                chunk = await content.readany()
-            except aiohttp.ClientPayloadError:
-                # aiohttp raises before handing out what it had already received: relay
-                # that first (its private reader; guarded by test_gateway_reliability)
-                left = content._read_nowait(-1)
-                if left:
-                    yield left
-                raise
-            if not chunk:
-                return
-            yield chunk
-
-    async def aread(self) -> bytes:
-        return await self._response.read()
-
-    async def aclose(self) -> None:
-        """Back to the pool when the body was read to its end, else the connection closes."""
-        if self._response.content.at_eof():
-            self._response.release()
-        else:
-            self._response.close()
+Answer = Response  # an upstream answer, its body still to read
 
 
 class Client:
-    """The pooled connections to every upstream."""
+    """The pooled connections to every upstream (opened on first use, in the event loop)."""
 
     def __init__(self, max_connections: int = 1024) -> None:
-        self.max_connections = max_connections
-        self._session: aiohttp.ClientSession | None = None
-
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0,
-                                             keepalive_timeout=30)  # fmt: skip
-            self._session = aiohttp.ClientSession(
-                connector=connector, cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False,
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-                skip_auto_headers=("Content-Type",),  # as the client sent it, or none
-            )  # fmt: skip
-        return self._session
+        self.pool = Pool(max_connections)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        await self.pool.close()
 
 
 @dataclass(slots=True)
@@ -235,7 +178,4 @@ async def send(client: Client, steps: list[Step], breaker: CircuitBreaker) -> Ou
 
 async def _open(client: Client, step: Step, headers: dict[str, str]) -> Answer:
     """Send the request; the answer once its status and headers are in."""
-    response = await client.session().request(
-        step.method, step.url, data=step.body or None, headers=headers, allow_redirects=False
-    )
-    return Answer(response)
+    return await client.pool.request(step.method, step.url, headers, step.body)
