@@ -190,3 +190,21 @@ def test_a_cancelled_request_closes_its_connection() -> None:
         await pool.close()
 
     asyncio.run(_serve(handler, test))
+
+
+def test_an_interim_100_continue_is_skipped() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        await writer.drain()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-Real: yes\r\n\r\nok")
+        await writer.drain()
+
+    async def test(url: str) -> None:
+        pool = Pool()
+        r = await pool.request("POST", url, {}, b"body")
+        assert (r.status_code, r.headers, await r.aread()) == (
+            200, {"content-length": "2", "x-real": "yes"}, b"ok")  # fmt: skip
+        await pool.close()
+
+    asyncio.run(_serve(handler, test))

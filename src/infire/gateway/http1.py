@@ -68,12 +68,16 @@ class _Connection(asyncio.Protocol):
         self.error: UpstreamError | None = None
         self.keep_alive = False
         self.paused = False
+        self.interim = False
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        if self.complete:  # bytes on an idle connection: not to be trusted with a request
+            self.close()
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -104,6 +108,10 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
+        if 100 <= self.status < 200:  # an interim answer (100 Continue): the real one follows
+            self.interim = True
+            self.raw_headers.clear()
+            return
         self.keep_alive = self.parser.should_keep_alive()
         if not self.headers_done.done():
             self.headers_done.set_result(None)
@@ -117,6 +125,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         self.complete = True
         self._wake()
 

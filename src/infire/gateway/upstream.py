@@ -26,7 +26,7 @@ MAX_RETRY_AFTER_S = 10.0
 # Request headers never sent upstream: hop-by-hop, the client's credentials for the gateway,
 # and the gateway's own controls.
 _DROPPED = {"host", "content-length", "connection", "keep-alive", "transfer-encoding",
-            "authorization", "accept-encoding", "upgrade", "te", "trailer"}  # fmt: skip
+            "authorization", "accept-encoding", "upgrade", "te", "trailer", "expect"}  # fmt: skip
 
 
 @dataclass(slots=True)
