@@ -66,12 +66,11 @@ from infire.gateway.config import (
     Retry,
     Token,
 )
-from infire.gateway.http1 import check_headers
+from infire.gateway.http1 import Pool, check_headers
 from infire.gateway.limits import Admission, open_counters
 from infire.gateway.store import LogStore
 from infire.gateway.upstream import (
     CircuitBreaker,
-    Client,
     Outcome,
     Step,
     UpstreamError,
@@ -122,7 +121,7 @@ def create_app(config: GatewayConfig) -> Starlette:
     cache = Cache(open_backend(config.redis_url, config.store))
     counters = open_counters(config.redis_url, config.store)
     breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s)
-    client = Client()
+    client = Pool()  # connections to every upstream, kept alive
 
     pending: set[asyncio.Task] = set()  # wrap-ups running after their answers
 

@@ -63,16 +63,6 @@ class Failure:
 Answer = Response  # an upstream answer, its body still to read
 
 
-class Client:
-    """The pooled connections to every upstream (opened on first use, in the event loop)."""
-
-    def __init__(self, max_connections: int = 1024) -> None:
-        self.pool = Pool(max_connections)
-
-    async def close(self) -> None:
-        await self.pool.close()
-
-
 @dataclass(slots=True)
 class Outcome:
     """The upstream response being relayed (its body not read yet), or the failures."""
@@ -129,7 +119,7 @@ def _retry_after(headers: dict[str, str]) -> float:
         return 0.0
 
 
-async def send(client: Client, steps: list[Step], breaker: CircuitBreaker) -> Outcome:
+async def send(client: Pool, steps: list[Step], breaker: CircuitBreaker) -> Outcome:
     """The first answer that is not a retryable failure, trying steps and attempts in order.
 
     A non-retryable answer (2xx, 3xx, 4xx other than 429) is returned with its body still
@@ -176,6 +166,6 @@ async def send(client: Client, steps: list[Step], breaker: CircuitBreaker) -> Ou
     return Outcome(None, len(steps) - 1, attempts, failures)
 
 
-async def _open(client: Client, step: Step, headers: dict[str, str]) -> Answer:
+async def _open(client: Pool, step: Step, headers: dict[str, str]) -> Answer:
     """Send the request; the answer once its status and headers are in."""
-    return await client.pool.request(step.method, step.url, headers, step.body)
+    return await client.request(step.method, step.url, headers, step.body)
