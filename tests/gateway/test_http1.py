@@ -6,7 +6,10 @@ to send."""
 from __future__ import annotations
 
 import asyncio
+import ssl
+import subprocess
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 
@@ -208,3 +211,34 @@ def test_an_interim_100_continue_is_skipped() -> None:
         await pool.close()
 
     asyncio.run(_serve(handler, test))
+
+
+def test_https_upstreams_are_verified(tmp_path: Path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)  # fmt: skip
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(cert, key)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsecret")
+        await writer.drain()
+
+    async def test() -> None:
+        server = await asyncio.start_server(handler, "127.0.0.1", 0, ssl=server_tls)
+        url = f"https://localhost:{server.sockets[0].getsockname()[1]}/v1"
+        try:
+            trusting = Pool(tls=ssl.create_default_context(cafile=str(cert)))
+            r = await trusting.request("POST", url, {}, b"{}")
+            assert (r.status_code, await r.aread()) == (200, b"secret")
+            await trusting.close()
+            strict = Pool()  # the system's CAs do not know this certificate
+            with pytest.raises(UpstreamError, match="CERTIFICATE_VERIFY_FAILED"):
+                await strict.request("POST", url, {}, b"{}")
+            await strict.close()
+        finally:
+            server.close()
+
+    asyncio.run(test())

@@ -210,12 +210,14 @@ class Response:
 class Pool:
     """Keep-alive connections per (scheme, host, port), at most `limit` open at once."""
 
-    def __init__(self, limit: int = 1024, connect_timeout_s: float = 10.0) -> None:
+    def __init__(self, limit: int = 1024, connect_timeout_s: float = 10.0,
+                 tls: ssl.SSLContext | None = None) -> None:  # fmt: skip
+        """tls: how https upstreams are verified (default: the system's trusted CAs)."""
         self.limit, self.connect_timeout_s = limit, connect_timeout_s
         self.idle: dict[tuple[str, str, int], list[_Connection]] = {}
         self.open: set[_Connection] = set()
         self._slots: asyncio.Semaphore | None = None
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl = tls
 
     async def request(self, method: str, url: str, headers: dict[str, str],
                       body: bytes) -> Response:  # fmt: skip
