@@ -34,8 +34,9 @@ VENV_BIN = ROOT / ".venv" / "bin"
 
 def server_command(name: str, gguf: Path, port: int) -> list[str]:
     """How each server is started on the default model's GGUF."""
-    if name == "infire":
-        return [str(VENV_BIN / "infire"), "serve", "--port", str(port), "--no-access-log"]
+    if name in ("infire", "infire-inproc"):  # the engine core in its own process, or not
+        extra = ["--engine-in-process"] if name == "infire-inproc" else []
+        return [str(VENV_BIN / "infire"), "serve", "--port", str(port), "--no-access-log", *extra]
     if name == "llama.cpp":
         # One decode thread: with two, its server's Python threads and the load generator
         # fight llama.cpp's spinning workers for the 2 cores (27 vs 19 ms per token here).

@@ -107,8 +107,8 @@ def _load(args: argparse.Namespace) -> LLMEngine:
     engine = LLMEngine(_engine_config(args))
     print(
         f"infire: ready in {time.perf_counter() - start:.1f}s "
-        f"({engine.dtype}, {engine.runner.num_blocks} KV blocks, "
-        f"CPU kernels {engine.runner.fused_status})",
+        f"({engine.dtype}, {engine.model_info.num_kv_tokens} KV tokens, "
+        f"CPU kernels {engine.model_info.fused_status})",
         file=sys.stderr,
     )
     return engine
@@ -117,12 +117,9 @@ def _load(args: argparse.Namespace) -> LLMEngine:
 def _stream(engine: LLMEngine, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:
     """Text deltas of one request as the engine produces them."""
     engine.add_request("cli", prompt, params)
-    shown = 0
     while engine.has_unfinished_requests():
-        for output in engine.step():
-            text = output.outputs[0].text
-            yield text[shown:]
-            shown = len(text)
+        for delta in engine.step():
+            yield "".join(choice.text for choice in delta.choices)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -182,11 +179,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
         served_model_name=args.served_model_name,
+        engine_in_process=args.engine_in_process,
     )
-    app = create_app(_engine_config(args), config)
+    died: list[str] = []
+
+    def engine_dead(reason: str) -> None:
+        # Open requests have their error; stop taking new ones and exit non-zero, so that
+        # a supervisor (systemd, Kubernetes, a balancer) restarts or replaces the server.
+        died.append(reason)
+        server.should_exit = True
+
+    app = create_app(_engine_config(args), config, on_engine_dead=engine_dead)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="warning", access_log=False,
+        timeout_graceful_shutdown=5,
+    ))  # fmt: skip
     print(f"infire: serving on http://{args.host}:{args.port} (model loads in the background; "
           "GET /health answers 200 once ready)", file=sys.stderr)  # fmt: skip
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    server.run()
+    if died:
+        print(f"infire: the engine died ({died[0]}); exiting", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -436,6 +449,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=parse_size, default=parse_size("4MiB"),
                        help="largest request body, else 413 (default: 4MiB)")  # fmt: skip
     serve.add_argument("--no-access-log", action="store_true", help="no JSON line per request")
+    serve.add_argument(
+        "--engine-in-process", action="store_true",
+        help="run the engine core in a thread of the server process instead of its own "
+        "process (default: its own process; if it dies the server exits with status 1)",
+    )  # fmt: skip
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
     compress = commands.add_parser(

@@ -9,6 +9,7 @@ import pytest
 
 from infire import LLM, SamplingParams
 from infire.config import CacheConfig, EngineConfig, SchedulerConfig
+from infire.engine import merge_delta
 from infire.engine.engine import LLMEngine
 from infire.errors import ContextLengthError, InvalidRequestError
 
@@ -44,12 +45,14 @@ def _run_all(
 ) -> dict[str, list[int]]:
     """Add each request at its arrival step and step until all finish."""
     results: dict[str, list[int]] = {}
+    outputs = {}
     step = 0
     while len(results) < len(requests):
         for rid, (prompt, params, arrival) in requests.items():
             if arrival == step:
                 engine.add_request(rid, prompt, params)
-        for out in engine.step():
+        for delta in engine.step():
+            out = outputs[delta.request_id] = merge_delta(outputs.get(delta.request_id), delta)
             if out.finished:
                 results[out.request_id] = out.outputs[0].token_ids
         step += 1
@@ -126,8 +129,9 @@ def test_abort_frees_blocks_at_once(tiny_llama: Path):
     engine.step()
     engine.step()
     assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
-    out = engine.abort_request("long")
-    assert out is not None and out.outputs[0].finish_reason == "abort"
+    delta = engine.abort_request("long")
+    assert delta is not None and delta.finished
+    assert [c.finish_reason for c in delta.choices] == ["abort"]
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
@@ -148,10 +152,11 @@ def test_bad_requests_raise_and_engine_keeps_serving(tiny_llama: Path):
         engine.add_request("empty", [], _params(False, 0))
     with pytest.raises(InvalidRequestError, match="already in use"):
         engine.add_request("good", [1], _params(False, 0))
-    outputs = []
+    output = None
     while engine.has_unfinished_requests():
-        outputs += engine.step()
-    assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 12
+        for delta in engine.step():
+            output = merge_delta(output, delta)
+    assert output.finished and len(output.outputs[0].token_ids) == 12
 
 
 def test_llm_api_shapes_like_vllm(tiny_llama: Path):

@@ -16,9 +16,11 @@ def _greedy(llm, **kw):
 
 def _stream(engine: LLMEngine, params: SamplingParams) -> list[str]:
     engine.add_request("s", PROMPT, params)
-    texts = []
+    texts, text = [], ""
     while engine.has_unfinished_requests():
-        texts += [out.outputs[0].text for out in engine.step()]
+        for delta in engine.step():
+            text += "".join(c.text for c in delta.choices)
+            texts.append(text)
     return texts
 
 

@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from infire.config import CacheConfig, EngineConfig, SchedulerConfig
+from infire.engine import merge_delta
 from infire.engine.engine import LLMEngine
 from infire.engine.kv_cache import BlockManager
 from infire.engine.request import Sequence
@@ -126,8 +127,10 @@ def _generate(
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
     done: dict[str, list[int]] = {}
+    outputs = {}
     while len(done) < len(prompts):
-        for output in engine.step():
+        for delta in engine.step():
+            output = outputs[delta.request_id] = merge_delta(outputs.get(delta.request_id), delta)
             if output.finished:
                 done[output.request_id] = output.outputs[0].token_ids
     assert engine.block_manager.num_free_blocks == engine.runner.num_blocks

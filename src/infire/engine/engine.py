@@ -1,9 +1,10 @@
 """LLMEngine: the synchronous step loop that ties scheduler, block pool and runner together.
 
-`add_request` validates and queues; each `step()` schedules a batch, runs one forward,
-appends the sampled tokens, detokenizes, checks stop conditions and frees the blocks of
-finished sequences, then reports every request that changed. The asyncio front
-(AsyncLLMEngine) and the offline API (LLM) both drive this class.
+`add_request` queues; each `step()` schedules a batch, runs one forward, appends the
+sampled tokens, detokenizes, checks stop conditions and frees the blocks of finished
+sequences, then reports a RequestDelta (what changed, not the whole output) for every
+request that changed. The engine clients (in a thread, or in the engine-core process),
+the offline API (LLM) and the CLI drive this class.
 """
 
 from __future__ import annotations
@@ -15,28 +16,36 @@ import torch
 
 from infire.config import EngineConfig, resolve_dtype
 from infire.engine.kv_cache import BlockManager
+from infire.engine.messages import (
+    ChoiceDelta,
+    EngineStats,
+    GenerateRequest,
+    ModelInfo,
+    RequestDelta,
+)
 from infire.engine.request import Sequence
 from infire.engine.runner import ModelRunner, StepResult
 from infire.engine.scheduler import Scheduler, SchedulerOutput
 from infire.engine.stop import append_token
-from infire.errors import ContextLengthError, InvalidRequestError
+from infire.engine.validation import check_params, check_prompt
+from infire.errors import InvalidRequestError
 from infire.kernels import cpu_forward
 from infire.models.loader import load_model
-from infire.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from infire.outputs import RequestMetrics
 from infire.sampling_params import SamplingParams
 from infire.tokenizer import IncrementalDetokenizer
 
 
 @dataclass(slots=True)
-class EngineStats:
-    """Counters since the engine started (the server exports them as metrics)."""
+class StepCounters:
+    """Counters since the engine started (snapshotted into EngineStats for the metrics)."""
 
     num_steps: int = 0
-    num_prompt_tokens: int = 0  # prompt tokens of admitted requests
-    num_computed_prompt_tokens: int = 0  # prompt tokens actually run through the model
+    num_prompt_tokens: int = 0
+    num_computed_prompt_tokens: int = 0
     num_generation_tokens: int = 0
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # of those, tokens found
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_finished_requests: int = 0
 
@@ -70,38 +79,24 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.requests: dict[str, list[Sequence]] = {}
-        self.prompts: dict[str, str | None] = {}
-        self.stats = EngineStats()
+        self.stats = StepCounters()
         self._next_seq_id = 0
+        self.model_info = ModelInfo(
+            name=self.model_name,
+            max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            num_kv_tokens=self.runner.num_blocks * config.cache.block_size,
+            block_size=config.cache.block_size,
+            dtype=str(self.dtype).removeprefix("torch."),
+            fused_status=self.runner.fused_status,
+            chat_template=self.tokenizer.chat_template,
+        )
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt (text or ids), checked against the vocabulary and context."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise InvalidRequestError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ContextLengthError(
-                f"prompt has {len(ids)} tokens but the model's context is {self.max_model_len} "
-                "tokens (prompt plus at least one generated token must fit)"
-            )
-        if self.block_manager.blocks_needed(len(ids) + 1) > self.block_manager.num_blocks:
-            raise ContextLengthError(
-                f"prompt has {len(ids)} tokens but the KV cache holds only "
-                f"{self.block_manager.num_blocks * self.block_manager.block_size}; "
-                "raise --kv-cache-memory"
-            )
+        check_prompt(ids, self.model_info)
         return ids
-
-    def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: token ids against this model's vocabulary."""
-        vocab = self.model_config.vocab_size
-        for name, ids in (("logit_bias", params.logit_bias or {}),
-                          ("stop_token_ids", params.stop_token_ids)):  # fmt: skip
-            if any(not 0 <= t < vocab for t in ids):
-                raise InvalidRequestError(f"{name} token ids must be in [0, {vocab})", param=name)
 
     def add_request(
         self,
@@ -110,16 +105,23 @@ class LLMEngine:
         params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
     ) -> None:
-        """Validate and queue a request; raises InvalidRequestError without side effects."""
+        """Validate and queue a request; raises InvalidRequestError without side effects.
+
+        `prompt_token_ids` are taken as already checked (by an EngineClient's edge)."""
+        params = params or SamplingParams()
+        if prompt_token_ids is None:
+            check_params(params, self.model_info)
+            prompt_token_ids = self.tokenize_prompt(prompt)
+        self.add(GenerateRequest(request_id, prompt_token_ids, params))
+
+    def add(self, request: GenerateRequest) -> None:
+        """Queue a validated request (one sequence per sample of n)."""
+        request_id, ids, params = request.request_id, request.prompt_token_ids, request.params
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        params = params or SamplingParams()
-        self.check_params(params)
-        ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize_prompt(prompt)
         metrics = RequestMetrics(arrival_time=time.monotonic())
         seqs = [self._new_sequence(request_id, i, ids, params, metrics) for i in range(params.n)]
         self.requests[request_id] = seqs
-        self.prompts[request_id] = prompt if isinstance(prompt, str) else None
         self.stats.num_prompt_tokens += len(ids) * params.n
         for seq in seqs:
             self.scheduler.add(seq)
@@ -143,7 +145,7 @@ class LLMEngine:
             metrics=metrics, generator=generator,
         )  # fmt: skip
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str) -> RequestDelta | None:
         """Stop a request now and free its KV blocks; None if it is unknown or done."""
         seqs = self.requests.get(request_id)
         if seqs is None:
@@ -152,18 +154,33 @@ class LLMEngine:
             if not seq.finished:
                 seq.finish("abort")
                 self.scheduler.finish(seq)
-        return self._pop_output(request_id)
+        return self._final_delta(request_id)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
         return bool(self.requests)
 
-    def step(self) -> list[RequestOutput]:
-        """Run one engine iteration; returns the requests that changed."""
+    def stats_snapshot(self) -> EngineStats:
+        """Queues, KV use and counters now."""
+        c = self.stats
+        return EngineStats(
+            len(self.scheduler.running), len(self.scheduler.waiting), self.block_manager.usage,
+            c.num_steps, c.num_prompt_tokens, c.num_computed_prompt_tokens,
+            c.num_generation_tokens, c.prefix_cache_queries, c.prefix_cache_hits,
+            c.num_preemptions, c.num_finished_requests,
+        )  # fmt: skip
+
+    def step(self) -> list[RequestDelta]:
+        """Run one engine iteration; returns what changed, per request."""
         batch = self.scheduler.schedule()
         result = self.runner.execute(batch.scheduled) if batch.scheduled else StepResult([], None)
-        changed = self._update(batch, result)
-        return [self._pop_output(rid) if self._done(rid) else self._output(rid) for rid in changed]
+        deltas = []
+        for request_id in self._update(batch, result):
+            done = self._done(request_id)
+            delta = self._final_delta(request_id) if done else self._delta(request_id)
+            if delta is not None:
+                deltas.append(delta)
+        return deltas
 
     def _update(self, batch: SchedulerOutput, result: StepResult) -> dict[str, None]:
         stats = self.stats
@@ -196,34 +213,42 @@ class LLMEngine:
     def _done(self, request_id: str) -> bool:
         return all(seq.finished for seq in self.requests[request_id])
 
-    def _pop_output(self, request_id: str) -> RequestOutput:
-        output = self._output(request_id)
-        output.metrics.finished_time = time.monotonic()
-        del self.requests[request_id]
-        del self.prompts[request_id]
+    def _final_delta(self, request_id: str) -> RequestDelta:
+        seqs = self.requests.pop(request_id)
+        seqs[0].metrics.finished_time = time.monotonic()
         self.stats.num_finished_requests += 1
-        return output
+        return self._delta(request_id, seqs)
 
-    def _output(self, request_id: str) -> RequestOutput:
-        seqs = self.requests[request_id]
-        completions = [
-            CompletionOutput(
-                index=seq.index,
-                text=seq.text[: seq.num_emitted_chars],
-                token_ids=list(seq.output_token_ids),
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-            )
-            for seq in seqs
-        ]
-        return RequestOutput(
-            request_id=request_id,
-            prompt=self.prompts[request_id],
-            prompt_token_ids=seqs[0].prompt_token_ids,
-            outputs=completions,
-            finished=all(seq.finished for seq in seqs),
-            num_cached_tokens=seqs[0].num_cached_tokens,
-            metrics=seqs[0].metrics,
-        )
+    def _delta(self, request_id: str, seqs: list[Sequence] | None = None) -> RequestDelta | None:
+        """The request's new tokens, text and logprobs; None if nothing can be sent yet."""
+        finished = seqs is not None
+        seqs = seqs or self.requests[request_id]
+        choices = [c for c in map(_choice_delta, seqs) if c is not None]
+        if not choices and not finished:
+            return None
+        first = seqs[0]
+        return RequestDelta(
+            request_id, choices, finished, first.num_prompt_tokens, first.num_cached_tokens,
+            first.metrics if finished else None,
+        )  # fmt: skip
+
+
+def _choice_delta(seq: Sequence) -> ChoiceDelta | None:
+    """What seq gained since its last delta (None if nothing): new tokens at once, their
+    text once it can be shown (an incomplete UTF-8 character or a possible stop string is
+    held back), and the finish reason once."""
+    text = seq.text[seq.num_sent_chars : seq.num_emitted_chars]
+    start = seq.num_prompt_tokens + seq.num_sent_tokens
+    tokens = seq.token_ids[start:]
+    finishing = seq.finished and not seq.finish_sent
+    if not text and not tokens and not finishing:
+        return None
+    logprobs = seq.logprobs[seq.num_sent_tokens :] if seq.logprobs is not None else None
+    seq.num_sent_chars = seq.num_emitted_chars
+    seq.num_sent_tokens += len(tokens)
+    seq.finish_sent = finishing
+    return ChoiceDelta(
+        seq.index, text, tokens, logprobs,
+        seq.cumulative_logprob if seq.logprobs is not None else None,
+        seq.finish_reason, seq.stop_reason,
+    )  # fmt: skip

@@ -2,21 +2,36 @@
 
 The pool itself is a tensor owned by the model runner; this module only decides which
 block ids a sequence uses. A full block whose KV has been computed is keyed by a chained
-hash of its token ids (hash of the previous block's key and its own tokens), so any
-request whose prompt starts with the same tokens reuses it. Blocks nobody references
-stay cached until evicted, least recently freed first.
+content hash, SHA-256(parent key + its token ids as little-endian uint32), so any request
+whose prompt starts with the same tokens reuses it, and every process (engine cores,
+the disaggregation balancer) computes the same key. SHA-256 makes a collision, which
+would silently serve another prompt's KV, out of reach, so keys are trusted without
+comparing tokens. Blocks nobody references stay cached until evicted, least recently
+freed first.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 
 from infire.engine.request import Sequence
 
 
-def block_hash(parent: int | None, tokens: list[int]) -> int:
+def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:
     """Key of a full block: depends on every token of the prefix, not just this block's."""
-    return hash((parent, tuple(tokens)))
+    digest = hashlib.sha256(parent or b"")
+    digest.update(struct.pack(f"<{len(tokens)}I", *tokens))
+    return digest.digest()
+
+
+def prefix_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
+    """Keys of every full block of a token sequence, in order."""
+    keys: list[bytes] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        keys.append(block_hash(keys[-1] if keys else None, token_ids[start : start + block_size]))
+    return keys
 
 
 class BlockManager:
@@ -29,8 +44,8 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.hash_of_block: dict[int, int] = {}
-        self.block_of_hash: dict[int, int] = {}
+        self.hash_of_block: dict[int, bytes] = {}
+        self.block_of_hash: dict[bytes, int] = {}
         # Unreferenced blocks in eviction order; cached ones keep their hash until reused.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 

@@ -10,6 +10,8 @@ from tqdm import tqdm
 
 from infire.config import CacheConfig, EngineConfig, SchedulerConfig
 from infire.engine.engine import LLMEngine
+from infire.engine.messages import merge_delta
+from infire.engine.validation import check_params
 from infire.outputs import RequestOutput
 from infire.sampling_params import SamplingParams
 
@@ -64,9 +66,14 @@ class LLM:
         ids = [str(next(self._ids)) for _ in prompts]
         # Validate every prompt before queueing any, so one bad prompt changes nothing.
         tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
+        for p in params:
+            check_params(p, self.engine.model_info)
+        outputs = {}
         for request_id, prompt, token_ids, p in zip(ids, prompts, tokenized, params, strict=True):
             self.engine.add_request(request_id, prompt, p, prompt_token_ids=token_ids)
-        return self._run(ids, use_tqdm)
+            text = prompt if isinstance(prompt, str) else None
+            outputs[request_id] = RequestOutput(request_id, text, token_ids, [], False)
+        return self._run(outputs, use_tqdm)
 
     def chat(
         self,
@@ -80,16 +87,14 @@ class LLM:
         prompts = [tokenizer.encode_chat(conversation) for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)
+    def _run(self, outputs: dict[str, RequestOutput], use_tqdm: bool) -> list[RequestOutput]:
+        bar = tqdm(total=len(outputs), desc="generating", disable=not use_tqdm)
         while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
-                    bar.update(1)
+            for delta in self.engine.step():
+                merge_delta(outputs[delta.request_id], delta)
+                bar.update(int(delta.finished))
         bar.close()
-        return [finished[request_id] for request_id in ids]
+        return list(outputs.values())
 
 
 def _per_prompt(

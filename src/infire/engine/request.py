@@ -43,9 +43,12 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # of full, computed blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # keys of full, computed blocks
     text: str = ""
-    num_emitted_chars: int = 0  # text already handed out (stop strings are held back)
+    num_emitted_chars: int = 0  # text that may be handed out (stop strings are held back)
+    num_sent_chars: int = 0  # text already sent in a delta
+    num_sent_tokens: int = 0  # output tokens already sent in a delta
+    finish_sent: bool = False  # the delta with the finish reason is out
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None

@@ -26,8 +26,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from infire.config import EngineConfig
-from infire.engine.async_engine import AsyncLLMEngine
-from infire.errors import InfireError
+from infire.engine import EngineClient, InprocEngineClient, MPEngineClient
+from infire.errors import EngineDeadError, InfireError
 from infire.server import openai, workers_ai
 from infire.server.errors import APIError, error_response
 from infire.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -45,6 +45,7 @@ class ServerConfig:
     max_waiting: int = 256  # waiting sequences beyond which new requests get 429
     max_body_bytes: int = 4 * 1024**2
     served_model_name: str | None = None
+    engine_in_process: bool = False  # the engine core in a thread instead of its own process
 
 
 class _State:
@@ -56,33 +57,57 @@ class _State:
 
     def current(self) -> Serving:
         if self.serving is not None:
+            reason = self.serving.client.dead_reason
+            if reason is not None:
+                raise EngineDeadError(f"engine died: {reason}")
             return self.serving
         if self.error is not None:
             raise APIError(503, f"model failed to load: {self.error}", type="server_error")
         raise APIError(503, "model is loading", type="server_error", code="model_loading")
 
 
-def create_app(engine_config: EngineConfig, config: ServerConfig) -> FastAPI:
-    """The app; the engine loads when the app starts (lifespan), in a background thread."""
+def create_app(
+    engine_config: EngineConfig,
+    config: ServerConfig,
+    on_engine_dead: Callable[[str], None] | None = None,
+) -> FastAPI:
+    """The app; the engine loads when the app starts (lifespan), in a background thread.
+
+    When the engine core dies, open requests end with `engine_dead`, /health answers 503
+    and `on_engine_dead(reason)` is called (`infire serve` then exits non-zero)."""
     state = _State()
+    clients: list[EngineClient] = []
+    stopping = threading.Event()
 
     def load() -> None:
         try:
-            engine = AsyncLLMEngine.from_config(engine_config)
-            name = config.served_model_name or engine.engine.model_name
-            metrics = ServerMetrics(engine.engine, name)
-            state.serving = Serving(engine, name, config.max_waiting, metrics)
-            logger.info("ready: %s (%s)", name, engine.engine.runner.fused_status)
+            if config.engine_in_process:
+                client: EngineClient = InprocEngineClient.from_config(engine_config)
+            else:
+                client = MPEngineClient.start(engine_config)
+            clients.append(client)
+            if stopping.is_set():  # the server stopped while the model loaded
+                client.shutdown()
+                return
+            if on_engine_dead is not None:
+                client.on_dead(on_engine_dead)
+            info = client.model_info
+            name = config.served_model_name or info.name
+            metrics = ServerMetrics(client.stats, name)
+            state.serving = Serving(client, name, config.max_waiting, metrics)
+            logger.info("ready: %s (%s)", name, info.fused_status)
         except Exception as e:  # reported on /health and every route
             state.error = str(e)
             logger.error("model failed to load: %s", e)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202 (FastAPI's lifespan protocol)
-        threading.Thread(target=load, name="infire-load", daemon=True).start()
+        loader = threading.Thread(target=load, name="infire-load", daemon=True)
+        loader.start()
         yield
-        if state.serving is not None:
-            state.serving.engine.shutdown()
+        stopping.set()
+        for client in clients:
+            client.shutdown()
 
     app = build_app(state.current, config, lifespan)
     app.state.infire = state
@@ -99,7 +124,7 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        current()  # 503 until the model is loaded
+        current()  # 503 until the model is loaded, and once the engine died
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

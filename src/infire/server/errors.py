@@ -101,6 +101,11 @@ def json_object(raw: bytes) -> dict:
     return data
 
 
+def error_body(exc: BaseException, workers_ai: bool = False) -> dict:
+    """The error body for exc (also sent as an event when a stream breaks off)."""
+    return to_api_error(exc).body(workers_ai)
+
+
 def error_response(request: Request, exc: BaseException) -> JSONResponse:
     """The JSONResponse for exc on this route."""
     error = to_api_error(exc)

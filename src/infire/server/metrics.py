@@ -1,19 +1,19 @@
 """Prometheus metrics under `infire:` with vLLM's names.
 
 Engine state (running / waiting requests, KV cache usage, token and prefix-cache
-counters) is read from the engine at scrape time; latencies are histograms observed by
+counters) is the engine client's latest stats snapshot at scrape time; latencies are histograms observed by
 the routes as requests stream and finish. Each app owns its registry (no global state).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from infire.engine.engine import LLMEngine
-from infire.outputs import RequestOutput
+from infire.engine import EngineStats
+from infire.outputs import RequestMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -23,19 +23,18 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
 class _EngineCollector:
     """Gauges and counters taken from the engine when Prometheus scrapes."""
 
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
-        self.engine = engine
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+        self.stats = stats
         self.labels = {"model_name": model_name}
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        engine, stats = self.engine, self.engine.stats
-        scheduler = engine.scheduler
+        stats = self.stats()
         names = list(self.labels)
         values = list(self.labels.values())
         for name, doc, value in (
-            ("infire:num_requests_running", "Sequences running (in the batch)", len(scheduler.running)),
-            ("infire:num_requests_waiting", "Sequences waiting to be scheduled", len(scheduler.waiting)),
-            ("infire:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", engine.block_manager.usage),
+            ("infire:num_requests_running", "Sequences running (in the batch)", stats.num_running),
+            ("infire:num_requests_waiting", "Sequences waiting to be scheduled", stats.num_waiting),
+            ("infire:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", stats.kv_cache_usage),
         ):  # fmt: skip
             gauge = GaugeMetricFamily(name, doc, labels=names)
             gauge.add_metric(values, value)
@@ -55,9 +54,9 @@ class _EngineCollector:
 class ServerMetrics:
     """The registry of one server, and what routes observe into it."""
 
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, model_name))
+        self.registry.register(_EngineCollector(stats, model_name))
         self.model_name = model_name
 
         def histogram(name: str, doc: str) -> Histogram:
@@ -74,9 +73,8 @@ class ServerMetrics:
             ["model_name", "finished_reason"], registry=self.registry,
         )  # fmt: skip
 
-    def observe_finished(self, output: RequestOutput) -> None:
-        """Record a finished request's latencies and its finish reason."""
-        m = output.metrics
+    def observe_finished(self, m: RequestMetrics | None, finish_reason: str | None) -> None:
+        """Record a finished request's latencies and its (first choice's) finish reason."""
         if m is None or m.finished_time is None:
             return
         self.e2e.observe(m.finished_time - m.arrival_time)
@@ -84,8 +82,7 @@ class ServerMetrics:
             self.ttft.observe(m.first_token_time - m.arrival_time)
         if m.first_scheduled_time is not None:
             self.queue.observe(m.first_scheduled_time - m.arrival_time)
-        reason = output.outputs[0].finish_reason or "abort"
-        self.success.labels(self.model_name, reason).inc()
+        self.success.labels(self.model_name, finish_reason or "abort").inc()
 
     def render(self) -> bytes:
         """The text exposition format."""

@@ -17,11 +17,20 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from infire.outputs import CompletionOutput, Logprob, RequestOutput
+from infire.engine import ChoiceDelta, RequestDelta
+from infire.errors import InfireError
+from infire.outputs import CompletionOutput, Logprob
 from infire.sampling_params import SamplingParams
-from infire.server.errors import parse_body
+from infire.server.errors import error_body, parse_body
 from infire.server.protocol import ChatCompletionRequest, CompletionRequest
-from infire.server.serving import Choices, Delta, Serving, finish_reason, until_finished, usage
+from infire.server.serving import (
+    HeldTokens,
+    Serving,
+    finish_reason,
+    output_usage,
+    until_finished,
+    usage,
+)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -43,7 +52,7 @@ def build_router(current: Callable[[], Serving]) -> APIRouter:
             "object": "list",
             "data": [{
                 "id": serving.model_name, "object": "model", "created": 0,
-                "owned_by": "infire", "max_model_len": serving.engine.engine.max_model_len,
+                "owned_by": "infire", "max_model_len": serving.client.model_info.max_model_len,
             }],
         }  # fmt: skip
 
@@ -55,12 +64,11 @@ def build_router(current: Callable[[], Serving]) -> APIRouter:
         body.check_supported()
         params = body.to_sampling_params()
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = serving.engine.tokenizer.encode_chat(messages)
+        prompt = serving.encode_chat(messages)
         explicit = body.max_completion_tokens is not None or body.max_tokens is not None
-        ids = serving.prompt_ids(prompt, params, explicit)
         k = params.logprobs
         return await _answer(
-            request, serving, ids, params, "chatcmpl", "chat.completion", body.stream,
+            request, serving, prompt, params, explicit, "chatcmpl", "chat.completion", body.stream,
             body.include_usage, lambda d: _chat_chunk_choice(d, k),
             lambda o: {
                 "index": o.index,
@@ -77,10 +85,9 @@ def build_router(current: Callable[[], Serving]) -> APIRouter:
         serving.check_model(body.model)
         params = body.to_sampling_params()
         explicit = "max_tokens" in body.model_fields_set
-        ids = serving.prompt_ids(body.single_prompt(), params, explicit)
         k = params.logprobs
         return await _answer(
-            request, serving, ids, params, "cmpl", "text_completion", body.stream,
+            request, serving, body.single_prompt(), params, explicit, "cmpl", "text_completion", body.stream,
             body.include_usage, lambda d: _text_choice(d, k),
             lambda o: {
                 "index": o.index,
@@ -96,29 +103,30 @@ def build_router(current: Callable[[], Serving]) -> APIRouter:
 async def _answer(
     request: Request,
     serving: Serving,
-    ids: list[int],
+    prompt: str | list[int],
     params: SamplingParams,
+    explicit_max: bool,
     id_prefix: str,
     kind: str,
     stream: bool,
     include_usage: bool,
-    chunk_choice: Callable[[Delta], dict[str, Any]],
+    chunk_choice: Callable[[ChoiceDelta], dict[str, Any]],
     full_choice: Callable[[CompletionOutput], dict[str, Any]],
 ) -> Any:
     """Run the request; an SSE stream of `kind` chunks, or the whole `kind` object."""
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-    outputs = serving.generate(ids, params, request_id)
+    ids, deltas = serving.generate(prompt, params, request_id, explicit_max)
     head = {"id": request_id, "created": int(time.time()), "model": serving.model_name}
     if stream:
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
-        return _stream(outputs, head, chunk_kind, include_usage, params.n, chunk_choice)
-    final = await until_finished(request, outputs)
+        return _stream(deltas, head, chunk_kind, include_usage, params.n, chunk_choice)
+    final = await until_finished(request, deltas, ids)
     choices = [full_choice(o) for o in final.outputs]
-    return {**head, "object": kind, "choices": choices, "usage": usage(final)}
+    return {**head, "object": kind, "choices": choices, "usage": output_usage(final)}
 
 
 def _stream(
-    outputs: AsyncIterator[RequestOutput],
+    deltas: AsyncIterator[RequestDelta],
     head: dict[str, Any],
     kind: str,
     include_usage: bool,
@@ -126,7 +134,6 @@ def _stream(
     choice: Any,
 ) -> StreamingResponse:
     async def events() -> AsyncIterator[str]:
-        tracker = Choices()
         base = {**head, "object": kind}
         extra = {"usage": None} if include_usage else {}
         if kind == "chat.completion.chunk":
@@ -134,20 +141,25 @@ def _stream(
             roles = [{"index": i, "delta": {"role": "assistant", "content": ""},
                       "logprobs": None, "finish_reason": None} for i in range(n)]  # fmt: skip
             yield sse({**base, "choices": roles, **extra})
-        final = None
-        async for output in outputs:
-            final = output
-            deltas = tracker.deltas(output)
-            if deltas:
-                yield sse({**base, "choices": [choice(d) for d in deltas], **extra})
-        if include_usage and final is not None:
-            yield sse({**base, "choices": [], "usage": usage(final)})
+        last, completion_tokens, held = None, 0, HeldTokens()
+        try:
+            async for delta in deltas:
+                last = delta
+                completion_tokens += sum(len(c.token_ids) for c in delta.choices)
+                if ready := held.ready(delta):
+                    yield sse({**base, "choices": [choice(c) for c in ready], **extra})
+        except InfireError as e:  # the stream has started: the error goes in an event
+            yield sse(error_body(e))
+            return
+        if include_usage and last is not None:
+            counts = usage(last.num_prompt_tokens, completion_tokens, last.num_cached_tokens)
+            yield sse({**base, "choices": [], "usage": counts})
         yield sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-def _chat_chunk_choice(delta: Delta, k: int | None) -> dict[str, Any]:
+def _chat_chunk_choice(delta: ChoiceDelta, k: int | None) -> dict[str, Any]:
     logprobs = {"content": _chat_logprobs(delta.logprobs, k)} if k is not None else None
     return {
         "index": delta.index,
@@ -157,7 +169,7 @@ def _chat_chunk_choice(delta: Delta, k: int | None) -> dict[str, Any]:
     }
 
 
-def _text_choice(delta: Delta, k: int | None) -> dict[str, Any]:
+def _text_choice(delta: ChoiceDelta, k: int | None) -> dict[str, Any]:
     return {
         "index": delta.index,
         "text": delta.text,

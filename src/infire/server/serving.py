@@ -1,25 +1,25 @@
-"""What every generation route shares: model-name checks, admission, the output stream.
+"""What every generation route shares: model-name checks, admission, the delta stream.
 
-`Serving.generate` validates a prompt before anything is queued (so errors are answered
+`Serving.generate` validates a request before anything is queued (so errors are answered
 before a stream starts), refuses new work when the waiting queue is over its limit, and
-yields the engine's RequestOutputs while observing latency metrics. `Choices` turns
-successive RequestOutputs into per-choice deltas for streaming. `until_finished`
-collects a non-streaming request while watching for the client to go away.
+yields the engine client's RequestDeltas while observing latency metrics.
+`until_finished` collects a non-streaming request while watching for the client to go
+away.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
-from infire.engine.async_engine import AsyncLLMEngine
+from infire.engine import ChoiceDelta, EngineClient, GenerateRequest, RequestDelta, merge_delta
 from infire.errors import ContextLengthError, ModelNotFoundError, ServerOverloadedError
-from infire.outputs import CompletionOutput, Logprob, RequestOutput
+from infire.outputs import CompletionOutput, RequestOutput
 from infire.sampling_params import SamplingParams
 from infire.server.metrics import ServerMetrics
 
@@ -37,12 +37,12 @@ def model_aliases(name: str) -> set[str]:
 
 
 class Serving:
-    """The engine behind the routes, with its model names, limits and metrics."""
+    """The engine client behind the routes, with its model names, limits and metrics."""
 
     def __init__(
-        self, engine: AsyncLLMEngine, model_name: str, max_waiting: int, metrics: ServerMetrics
+        self, client: EngineClient, model_name: str, max_waiting: int, metrics: ServerMetrics
     ) -> None:
-        self.engine = engine
+        self.client = client
         self.model_name = model_name
         self.max_waiting = max_waiting
         self.metrics = metrics
@@ -58,129 +58,119 @@ class Serving:
             param="model",
         )
 
-    def prompt_ids(
-        self, prompt: str | list[int], params: SamplingParams, explicit_max: bool
-    ) -> list[int]:
-        """Tokenize and check a prompt (and an explicit max_tokens) against the context, and
-        the parameters' token ids against the vocabulary."""
-        engine = self.engine.engine
-        engine.check_params(params)
-        ids = engine.tokenize_prompt(prompt)
-        if (
-            explicit_max
-            and params.max_tokens
-            and len(ids) + params.max_tokens > engine.max_model_len
-        ):
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Prompt token ids of a conversation, through the model's chat template."""
+        return self.client.tokenizer.encode_chat(messages)
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        explicit_max: bool = False,
+    ) -> tuple[list[int], AsyncIterator[RequestDelta]]:
+        """The prompt's token ids and the request's deltas. Raises now, before anything is
+        queued, for invalid input (an explicit max_tokens must fit the context too) and
+        with ServerOverloadedError when the waiting queue is full."""
+        ids = self.client.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        deltas = self.client.generate(GenerateRequest(request_id, ids, params))
+        limit = self.client.model_info.max_model_len
+        if explicit_max and params.max_tokens and len(ids) + params.max_tokens > limit:
             raise ContextLengthError(
-                f"this model's context is {engine.max_model_len} tokens, but the prompt has "
+                f"this model's context is {limit} tokens, but the prompt has "
                 f"{len(ids)} and max_tokens asks for {params.max_tokens} more",
                 param="max_tokens",
             )
-        return ids
-
-    def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
-    ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs; raises ServerOverloadedError now when the queue is full."""
-        waiting = len(self.engine.engine.scheduler.waiting)
+        waiting = self.client.stats().num_waiting
         if waiting >= self.max_waiting:
             raise ServerOverloadedError(
                 f"server is overloaded: {waiting} requests are waiting (--max-waiting "
                 f"{self.max_waiting}); retry later"
             )
-        return self._observed(self.engine.generate(prompt_ids, params, request_id))
+        return ids, self._observed(deltas)
 
-    async def _observed(
-        self, outputs: AsyncIterator[RequestOutput]
-    ) -> AsyncIterator[RequestOutput]:
-        last_time, last_tokens = None, 0
-        async for output in outputs:
+    async def _observed(self, deltas: AsyncIterator[RequestDelta]) -> AsyncIterator[RequestDelta]:
+        last_time, reason = None, None
+        async for delta in deltas:
             now = time.monotonic()
-            tokens = sum(len(o.token_ids) for o in output.outputs)
-            if last_time is not None and tokens > last_tokens:
-                gap = (now - last_time) / (tokens - last_tokens)
-                for _ in range(tokens - last_tokens):
-                    self.metrics.itl.observe(gap)
-            if tokens > last_tokens:
-                last_time, last_tokens = now, tokens
-            if output.finished:
-                self.metrics.observe_finished(output)
-            yield output
+            tokens = sum(len(c.token_ids) for c in delta.choices)
+            if last_time is not None and tokens:
+                for _ in range(tokens):
+                    self.metrics.itl.observe((now - last_time) / tokens)
+            if tokens:
+                last_time = now
+            reason = next((c.finish_reason for c in delta.choices if c.index == 0), reason)
+            if delta.finished:
+                self.metrics.observe_finished(delta.metrics, reason)
+            yield delta
 
 
-@dataclass(slots=True)
-class Delta:
-    """What one choice gained since the last chunk."""
+class HeldTokens:
+    """Holds back, per choice, tokens that came without text, so that a stream sends
+    chunks with text (or a finish) only, each carrying all its tokens and logprobs."""
 
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob]]
-    finish_reason: str | None
+    def __init__(self) -> None:
+        self.held: dict[int, ChoiceDelta] = {}
 
-
-@dataclass(slots=True)
-class Choices:
-    """Remembers how much of each choice was already sent."""
-
-    sent_chars: dict[int, int] = field(default_factory=dict)
-    sent_tokens: dict[int, int] = field(default_factory=dict)
-    finished: set[int] = field(default_factory=set)
-
-    def deltas(self, output: RequestOutput) -> list[Delta]:
-        """New text, tokens and logprobs per choice; a finished choice is reported once."""
-        deltas = []
-        for choice in output.outputs:
-            i = choice.index
-            chars, tokens = self.sent_chars.get(i, 0), self.sent_tokens.get(i, 0)
-            if i in self.finished or (len(choice.text) == chars and not choice.finished):
-                continue
-            self.sent_chars[i], self.sent_tokens[i] = len(choice.text), len(choice.token_ids)
-            if choice.finished:
-                self.finished.add(i)
-            deltas.append(
-                Delta(
-                    i, choice.text[chars:], choice.token_ids[tokens:],
-                    (choice.logprobs or [])[tokens:], finish_reason(choice),
+    def ready(self, delta: RequestDelta) -> list[ChoiceDelta]:
+        """The choices of this delta that are worth a chunk, with the held tokens in front."""
+        out = []
+        for choice in delta.choices:
+            held = self.held.pop(choice.index, None)
+            if held is not None:
+                logprobs = None
+                if choice.logprobs is not None:
+                    logprobs = (held.logprobs or []) + choice.logprobs
+                choice = dataclasses.replace(
+                    choice, token_ids=held.token_ids + choice.token_ids, logprobs=logprobs
                 )
-            )  # fmt: skip
-        return deltas
+            if choice.text or choice.finish_reason:
+                out.append(choice)
+            else:
+                self.held[choice.index] = choice
+        return out
 
 
-def finish_reason(choice: CompletionOutput) -> str | None:
+def finish_reason(choice: CompletionOutput | ChoiceDelta) -> str | None:
     """OpenAI's finish_reason: stop / length (an abort shows as stop)."""
     if choice.finish_reason is None:
         return None
     return "length" if choice.finish_reason == "length" else "stop"
 
 
-def usage(output: RequestOutput) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
     """OpenAI usage of a request, cached prompt tokens included."""
-    prompt = len(output.prompt_token_ids)
-    completion = sum(len(o.token_ids) for o in output.outputs)
     return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens},
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
-async def until_finished(request: Request, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    """The final output; aborts the request and raises ClientDisconnected if the client leaves."""
-    last: list[RequestOutput] = []
+def output_usage(output: RequestOutput) -> dict:
+    """Usage of a collected output."""
+    completion = sum(len(o.token_ids) for o in output.outputs)
+    return usage(len(output.prompt_token_ids), completion, output.num_cached_tokens)
+
+
+async def until_finished(
+    request: Request, deltas: AsyncIterator[RequestDelta], prompt_ids: list[int]
+) -> RequestOutput:
+    """The whole output; aborts the request and raises ClientDisconnected if the client leaves."""
+    output = RequestOutput("", None, prompt_ids, [], False)
 
     async def consume() -> None:
-        async for output in outputs:
-            last[:] = [output]
+        async for delta in deltas:
+            merge_delta(output, delta)
 
     task = asyncio.ensure_future(consume())
     while True:
         done, _ = await asyncio.wait({task}, timeout=0.1)
         if done:
             task.result()
-            return last[0]
+            return output
         if await request.is_disconnected():
-            task.cancel()  # the engine's iterator aborts the request in its finally
+            task.cancel()  # the client's iterator aborts the request in its finally
             await asyncio.gather(task, return_exceptions=True)
             raise ClientDisconnected

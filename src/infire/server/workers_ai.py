@@ -16,16 +16,16 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from infire.errors import InvalidRequestError
+from infire.engine import RequestDelta
+from infire.errors import InfireError, InvalidRequestError
 from infire.outputs import RequestOutput
-from infire.server.errors import parse_body
+from infire.server.errors import error_body, parse_body
 from infire.server.openai import SSE_HEADERS, sse
 from infire.server.protocol import WorkersAIRequest
-from infire.server.serving import Choices, Serving, until_finished
+from infire.server.serving import Serving, until_finished
 
 
-def _usage(output: RequestOutput) -> dict[str, int]:
-    prompt, completion = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
+def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}  # fmt: skip
 
@@ -45,30 +45,33 @@ def build_router(current: Callable[[], Serving]) -> APIRouter:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         else:
             messages = [{"role": "user", "content": body.prompt}]
-        encode_chat = serving.engine.tokenizer.encode_chat
-        prompt = body.prompt if body.raw and body.prompt else encode_chat(messages)
+        prompt = body.prompt if body.raw and body.prompt else serving.encode_chat(messages)
         params = body.to_sampling_params()
-        ids = serving.prompt_ids(prompt, params, explicit_max=False)
-        outputs = serving.generate(ids, params, f"ai-{uuid.uuid4().hex}")
+        ids, deltas = serving.generate(prompt, params, f"ai-{uuid.uuid4().hex}")
         if body.stream:
             return StreamingResponse(
-                _events(outputs), media_type="text/event-stream", headers=SSE_HEADERS
+                _events(deltas), media_type="text/event-stream", headers=SSE_HEADERS
             )
-        final = await until_finished(request, outputs)
-        result = {"response": final.outputs[0].text, "usage": _usage(final)}
+        final: RequestOutput = await until_finished(request, deltas, ids)
+        result = {"response": final.outputs[0].text,
+                  "usage": _usage(len(ids), len(final.outputs[0].token_ids))}  # fmt: skip
         return {"result": result, "success": True, "errors": [], "messages": []}
 
     return router
 
 
-async def _events(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
-    tracker = Choices()
-    final = None
-    async for output in outputs:
-        final = output
-        for delta in tracker.deltas(output):
-            if delta.text:
-                yield sse({"response": delta.text})
-    if final is not None:
-        yield sse({"response": "", "usage": _usage(final)})
+async def _events(deltas: AsyncIterator[RequestDelta]) -> AsyncIterator[str]:
+    last, completion = None, 0
+    try:
+        async for delta in deltas:
+            last = delta
+            for choice in delta.choices:
+                completion += len(choice.token_ids)
+                if choice.text:
+                    yield sse({"response": choice.text})
+    except InfireError as e:  # the stream has started: the error goes in an event
+        yield sse(error_body(e, workers_ai=True))
+        return
+    if last is not None:
+        yield sse({"response": "", "usage": _usage(last.num_prompt_tokens, completion)})
     yield sse("[DONE]")

@@ -1,0 +1,323 @@
+"""EngineClient: the one interface through which the server (and anything async) drives
+an engine: `generate` (an async iterator of RequestDeltas), `abort`, `model_info`,
+`stats`, health and `shutdown`.
+
+Two implementations share everything but the transport:
+- InprocEngineClient runs the engine core loop in a thread of this process (for `LLM`,
+  tests and `infire serve --engine-in-process`);
+- MPEngineClient starts the engine core in its own process (the default of `infire
+  serve`), so the HTTP event loop and the model never share a GIL; commands and outputs
+  go over ZeroMQ as msgpack (engine/messages.py).
+Requests are validated here, at the edge, before anything is queued. When the core dies,
+every open stream ends with EngineDeadError at once and the client stays dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
+
+from infire.config import EngineConfig
+from infire.engine.messages import (
+    AbortRequest,
+    EngineFailed,
+    EngineReady,
+    EngineStats,
+    GenerateRequest,
+    Message,
+    ModelInfo,
+    RequestDelta,
+    Shutdown,
+    StepOutputs,
+    decode,
+    encode,
+)
+from infire.engine.validation import check_params, check_prompt
+from infire.errors import EngineDeadError, InvalidRequestError, ModelLoadError
+from infire.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from infire.engine.engine import LLMEngine
+
+logger = logging.getLogger("infire.engine.client")
+
+_Stream = tuple[asyncio.AbstractEventLoop, asyncio.Queue]
+
+
+class EngineClient:
+    """Streams per request over an engine core; subclasses provide the transport."""
+
+    def __init__(self, info: ModelInfo, tokenizer: Tokenizer) -> None:
+        self.model_info = info
+        self.tokenizer = tokenizer
+        self._stats = EngineStats()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._dead: str | None = None
+        self._on_dead: list[Callable[[str], None]] = []
+
+    # -- the interface -------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        """The engine's queues, KV use and counters, as of its last step."""
+        return self._stats
+
+    @property
+    def is_healthy(self) -> bool:
+        """False once the engine core died; it never comes back."""
+        return self._dead is None
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine core stopped, or None while it runs."""
+        return self._dead
+
+    def on_dead(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(reason)` (from an engine thread) when the core dies."""
+        self._on_dead.append(callback)
+
+    def validate(self, request: GenerateRequest) -> None:
+        """Refuse a request that cannot run, before anything is queued."""
+        check_params(request.params, self.model_info)
+        check_prompt(request.prompt_token_ids, self.model_info)
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestDelta]:
+        """The request's deltas, until its finished one.
+
+        Raises InvalidRequestError (or EngineDeadError) now, before anything is queued;
+        the request is sent when iteration starts. Leaving the iteration early (break,
+        cancellation, client disconnect) aborts the request.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(f"engine stopped: {self._dead}")
+        self.validate(request)
+        return self._stream(request)
+
+    async def _stream(self, request: GenerateRequest) -> AsyncIterator[RequestDelta]:
+        stream: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request.request_id in self._streams:
+                raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+            self._streams[request.request_id] = (asyncio.get_running_loop(), stream)
+        finished = False
+        try:
+            if self._dead is not None:
+                raise EngineDeadError(f"engine stopped: {self._dead}")
+            self._send(request)
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished and self._dead is None:
+                self._send(AbortRequest(request.request_id))
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks; its stream ends with finish_reason 'abort'."""
+        if self._dead is None:
+            self._send(AbortRequest(request_id))
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        """A request id unused by this client."""
+        return f"{prefix}-{next(self._ids)}"
+
+    def shutdown(self) -> None:
+        """Stop the engine core (requests still running are dropped)."""
+        raise NotImplementedError
+
+    # -- for the transports --------------------------------------------------------------
+
+    def _send(self, message: Message) -> None:
+        raise NotImplementedError
+
+    def _deliver(self, outputs: StepOutputs) -> None:
+        """Hand each delta to its stream (from the transport's thread)."""
+        self._stats = outputs.stats
+        for delta in outputs.deltas:
+            with self._lock:
+                target = self._streams.get(delta.request_id)
+            if target is not None:
+                loop, stream = target
+                loop.call_soon_threadsafe(stream.put_nowait, delta)
+
+    def _die(self, reason: str) -> None:
+        """The core is gone: fail every open stream now, refuse new requests."""
+        if self._dead is not None:
+            return
+        self._dead = reason
+        logger.error("engine core died: %s", reason)
+        for callback in self._on_dead:
+            callback(reason)
+        with self._lock:
+            streams = list(self._streams.values())
+        for loop, stream in streams:
+            loop.call_soon_threadsafe(stream.put_nowait, EngineDeadError(f"engine died: {reason}"))
+
+
+class InprocEngineClient(EngineClient):
+    """The engine core loop in a thread of this process (torch releases the GIL as it runs)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        super().__init__(engine.model_info, engine.tokenizer)
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="infire-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> InprocEngineClient:
+        """Load the model and start the engine thread."""
+        from infire.engine.engine import LLMEngine
+
+        return cls(LLMEngine(config))
+
+    def shutdown(self) -> None:
+        """Stop the engine thread."""
+        self._commands.put(Shutdown())
+        self._thread.join(timeout=10)
+
+    def _send(self, message: Message) -> None:
+        self._commands.put(message)
+
+    def _receive(self, block: bool) -> list[Message]:
+        commands = []
+        try:
+            commands.append(self._commands.get(block=block))
+            while True:
+                commands.append(self._commands.get_nowait())
+        except queue.Empty:
+            pass
+        return commands
+
+    def _run(self) -> None:
+        from infire.engine.core import run_core
+
+        try:
+            run_core(self.engine, self._receive, self._deliver)
+        except BaseException as e:  # the loop must report, not vanish
+            self._die(repr(e))
+
+
+class MPEngineClient(EngineClient):
+    """The engine core in its own process, over ZeroMQ; started and stopped by this client."""
+
+    def __init__(
+        self,
+        info: ModelInfo,
+        tokenizer: Tokenizer,
+        process: subprocess.Popen,
+        sockets: tuple,
+        folder: str,
+    ) -> None:
+        super().__init__(info, tokenizer)
+        self.process = process
+        self._context, self._inbox, self._outbox = sockets
+        self._folder = folder
+        self._send_lock = threading.Lock()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="infire-engine-io", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start(cls, config: EngineConfig, timeout: float | None = None) -> MPEngineClient:
+        """Start the engine-core process and wait until its model is loaded.
+
+        Raises ModelLoadError with the core's own message when it cannot start.
+        """
+        import zmq
+
+        from infire.engine.core import config_to_json
+        from infire.models.loader import load_tokenizer
+
+        folder = tempfile.mkdtemp(prefix="infire-core-")
+        context = zmq.Context()
+        inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+        inbox.bind(f"ipc://{folder}/out")
+        outbox.bind(f"ipc://{folder}/in")
+        command = [
+            sys.executable, "-m", "infire.engine.core", "--input", f"ipc://{folder}/in",
+            "--output", f"ipc://{folder}/out", "--parent-pid", str(os.getpid()),
+            "--config", config_to_json(config),
+        ]  # fmt: skip
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        try:
+            tokenizer = load_tokenizer(config.model)
+            info = _wait_ready(process, inbox, timeout)
+        except BaseException:
+            _stop_process(process)
+            context.destroy(linger=0)
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        return cls(info, tokenizer, process, (context, inbox, outbox), folder)
+
+    def shutdown(self) -> None:
+        """Ask the core to stop, then make sure it did; remove the sockets."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if self._dead is None and self.process.poll() is None:
+            self._send(Shutdown())
+        _stop_process(self.process)
+        self._thread.join(timeout=5)
+        self._context.destroy(linger=0)
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+    def _send(self, message: Message) -> None:
+        with self._send_lock:
+            self._outbox.send(encode(message))
+
+    def _run(self) -> None:
+        """Receive outputs; notice within a tenth of a second when the core process ends."""
+        while not self._stopping:
+            if self._inbox.poll(100):
+                message = decode(self._inbox.recv())
+                if isinstance(message, StepOutputs):
+                    self._deliver(message)
+                continue
+            code = self.process.poll()
+            if code is not None and not self._stopping:
+                self._die(f"the engine-core process (pid {self.process.pid}) exited with {code}")
+                return
+
+
+def _wait_ready(process: subprocess.Popen, inbox: object, timeout: float | None) -> ModelInfo:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while deadline is None or time.monotonic() < deadline:
+        if inbox.poll(100):
+            message = decode(inbox.recv())
+            if isinstance(message, EngineReady):
+                return message.info
+            if isinstance(message, EngineFailed):
+                raise ModelLoadError(message.message)
+        elif process.poll() is not None:
+            raise ModelLoadError(f"the engine-core process exited with {process.returncode}")
+    raise ModelLoadError(f"the engine core did not start within {timeout}s")
+
+
+def _stop_process(process: subprocess.Popen) -> None:
+    """Wait briefly for a clean exit, then terminate, then kill."""
+    for stop in (None, process.terminate, process.kill):
+        if stop is not None:
+            stop()
+        try:
+            process.wait(timeout=5)
+            return
+        except subprocess.TimeoutExpired:
+            continue
