@@ -7,7 +7,8 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve chat test lint format bench bench-serve bench-unweight bench-gateway
+.PHONY: install serve chat test lint format bench bench-serve bench-unweight bench-gateway \
+	bench-parallel
 
 install: $(STAMP)
 
@@ -45,6 +46,12 @@ bench-serve: install
 bench-unweight: install
 	$(BIN)/python benchmarks/bench_unweight.py
 	$(BIN)/python benchmarks/bench_unweight_serving.py
+
+bench-parallel: install
+	$(BIN)/python benchmarks/bench_parallel.py
+	$(BIN)/python benchmarks/bench_engine_process.py
+	$(BIN)/python benchmarks/bench_penalties.py
+	$(BIN)/python benchmarks/bench_load_memory.py
 
 # LiteLLM's proxy lives in its own venv (git-ignored), apart from infire's dependencies.
 bench-gateway: install

@@ -12,7 +12,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from infire.config import CacheConfig, EngineConfig, SchedulerConfig
+from infire.config import (
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    resolve_dtype,
+)
 from infire.engine.engine import LLMEngine
 from infire.errors import InfireError, InvalidRequestError
 from infire.sampling_params import SamplingParams
@@ -56,6 +62,22 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--no-cpu-kernels", action="store_true",
         help="run every step through PyTorch instead of the fused C forward on CPU",
     )  # fmt: skip
+    group = parser.add_argument_group("parallelism (torch.distributed: gloo on CPU, NCCL on CUDA)")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="ranks that split each layer (default: 1)")  # fmt: skip
+    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                       help="stages of contiguous layers (default: 1)")  # fmt: skip
+    group.add_argument("--nnodes", type=int, default=1,
+                       help="hosts the ranks are spread over (default: 1)")  # fmt: skip
+    group.add_argument("--node-rank", type=int, default=0,
+                       help="this host's index; 0 serves, the others only run ranks")  # fmt: skip
+    group.add_argument("--master-addr", default="127.0.0.1",
+                       help="address of node 0, where the ranks meet (default: 127.0.0.1)")  # fmt: skip
+    group.add_argument("--master-port", type=int, default=0,
+                       help="port on node 0 where the ranks meet (default: a free one; "
+                       "required with --nnodes > 1)")  # fmt: skip
+    group.add_argument("--threads-per-rank", type=int,
+                       help="torch threads per rank (default: cores / ranks on this host)")  # fmt: skip
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -84,7 +106,11 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(
             args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len
         ),
-    )
+        parallel=ParallelConfig(
+            args.tensor_parallel_size, args.pipeline_parallel_size, args.nnodes,
+            args.node_rank, args.master_addr, args.master_port, args.threads_per_rank,
+        ),
+    )  # fmt: skip
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -124,7 +150,16 @@ def _stream(engine: LLMEngine, prompt: str | list[int], params: SamplingParams) 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Complete one prompt, streaming the text to stdout."""
+    if (status := worker_only(args)) is not None:
+        return status
     engine = _load(args)
+    try:
+        return _generate(engine, args)
+    finally:
+        engine.shutdown()
+
+
+def _generate(engine: LLMEngine, args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     prompt: str | list[int] = args.prompt
     if args.chat:
@@ -139,7 +174,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Interactive chat with the model's chat template; the answer streams as it comes."""
+    if (status := worker_only(args)) is not None:
+        return status
     engine = _load(args)
+    try:
+        return _chat(engine, args)
+    finally:
+        engine.shutdown()
+
+
+def _chat(engine: LLMEngine, args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     messages: list[dict[str, str]] = []
     if args.system:
@@ -166,10 +210,40 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
+def worker_only(args: argparse.Namespace) -> int | None:
+    """On a host other than node 0, or as a torchrun rank other than 0: run the ranks
+    here until rank 0 stops them (their exit status); None on rank 0."""
+    from infire.engine import worker
+
+    config = _engine_config(args)
+    if os.environ.get("RANK", "0") != "0":  # started by torchrun
+        dtype = resolve_dtype(config.dtype, config.device)
+        return worker.run_rank(config, dtype, int(os.environ["RANK"]))
+    if args.node_rank == 0:
+        return None
+    parallel = config.parallel
+    print(f"infire: node {parallel.node_rank}: running its ranks, waiting for node 0 at "
+          f"{parallel.master_addr}:{parallel.master_port}", file=sys.stderr)  # fmt: skip
+    return worker.run_node_ranks(config)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from infire.server import ServerConfig, create_app
+
+    if (status := worker_only(args)) is not None:
+        return status
+    engine_config = _engine_config(args)
+    if engine_config.parallel.world_size > 1:  # refuse a model that cannot be cut, now
+        import torch
+
+        from infire.models.loader import load_model
+        from infire.parallel import check_parallel
+
+        parallel = engine_config.parallel
+        model_config = load_model(args.model, torch.float32).config  # weights are not read
+        check_parallel(model_config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.no_access_log:
@@ -189,7 +263,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         died.append(reason)
         server.should_exit = True
 
-    app = create_app(_engine_config(args), config, on_engine_dead=engine_dead)
+    app = create_app(engine_config, config, on_engine_dead=engine_dead)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=5,
@@ -502,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except InfireError as e:
+    except (InfireError, ValueError) as e:  # ValueError: a config's own checks
         print(f"infire: error: {e}", file=sys.stderr)
         return 2
 

@@ -86,10 +86,38 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class ParallelConfig:
-    """Tensor / pipeline parallel sizes; 1 and 1 until the parallel subsystem lands."""
+    """Tensor x pipeline parallel ranks, and where they meet (torchrun's names).
+
+    Rank r holds pipeline stage r // tp and tensor shard r % tp. With nnodes > 1 each node
+    starts world_size / nnodes ranks (node 0 has rank 0, the engine core); master_port 0
+    picks a free port on one node."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    threads_per_rank: int | None = None  # default: this machine's cores / local ranks
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.world_size % self.nnodes:
+            raise ValueError(
+                f"tensor x pipeline parallel size {self.world_size} must be a multiple of "
+                f"--nnodes {self.nnodes} (each node starts the same number of ranks)"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, {self.nnodes})")
+        if self.nnodes > 1 and not self.master_port:
+            raise ValueError("several nodes need --master-port (and --master-addr) to meet")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: tensor x pipeline parallel size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(slots=True)

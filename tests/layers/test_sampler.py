@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from infire.layers.sampler import Sampler, SamplingMetadata
+from infire.layers.sampler import Sampler, SamplingMetadata, adjust_logits
 
 VOCAB = 50
 
@@ -94,3 +94,29 @@ def test_logprobs_and_ranks():
     assert out.sampled_ranks == [1, 1]
     assert out.top_token_ids == reference.topk(3).indices.tolist()
     assert torch.allclose(torch.tensor(out.sampled_logprobs), reference.max(-1).values)
+
+
+def test_adjusted_logits_have_the_bits_of_the_plain_expressions():
+    gen = torch.Generator().manual_seed(3)
+    n, vocab = 12, 400
+    logits = torch.randn(n, vocab, generator=gen) * 5
+    logits[:, :7] = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -1e-45])
+    rows = lambda values: torch.tensor(values).repeat(n // len(values))[:, None]  # noqa: E731
+    meta = _meta(
+        n, repetition_penalty=rows([1.0, 0.5, 1.3, 1e-3, 2.0, 0.9]),
+        frequency_penalty=rows([0.0, -1.5, 2.0, 0.3]), presence_penalty=rows([-2.0, 0.0, 1.0]),
+        seen_mask=torch.rand(n, vocab, generator=gen) < 0.4,
+        output_counts=torch.randint(0, 4, (n, vocab), generator=gen).float(),
+        logit_bias=torch.randn(n, vocab, generator=gen) * (torch.rand(n, vocab, generator=gen) < 0.1),
+    )  # fmt: skip
+    penalty = torch.where(meta.seen_mask, meta.repetition_penalty, 1.0)
+    plain = torch.where(logits > 0, logits / penalty, logits * penalty)
+    counts = meta.output_counts
+    plain = plain - meta.frequency_penalty * counts - meta.presence_penalty * (counts > 0)
+    plain = plain + meta.logit_bias
+    adjusted = adjust_logits(logits, meta)
+    # NaN stays NaN; only its sign bit, which nothing downstream reads, may differ
+    assert torch.equal(adjusted.isnan(), plain.isnan())
+    assert torch.equal(
+        adjusted.nan_to_num(7.0).view(torch.int32), plain.nan_to_num(7.0).view(torch.int32)
+    )

@@ -390,3 +390,39 @@ def test_tiny_sentencepiece_tokenizer_matches_transformers(tmp_path: Path):
         assert ids == reference.encode(text), text
         assert ids[0] == 1  # no add_bos_token key: sentencepiece files add BOS, as llama.cpp does
         assert tokenizer.decode(ids) == reference.decode(ids, skip_special_tokens=True), text
+
+
+@pytest.mark.parametrize("chunk", [None, 64])  # 64 values: many chunks per tensor
+def test_slices_equal_the_whole_tensor(tmp_path: Path, chunk: int | None, monkeypatch):
+    """A rank's rows (whole heads of a permuted q/k, Q8_0 rows) or columns, dequantized
+    alone and in chunks, are exactly the rows or columns of the whole tensor."""
+    from infire.models import gguf as infire_gguf
+
+    path = tmp_path / "tiny.gguf"
+    _write_tiny(path, bias=True)
+    _, whole, _ = load_gguf(path, torch.float32)
+    full = {name: whole[name] for name in whole}
+    if chunk:
+        from infire.models import weights as weights_module
+
+        monkeypatch.setattr(infire_gguf, "_CHUNK_VALUES", chunk)
+        monkeypatch.setattr(weights_module, "PIECE_VALUES", chunk)
+    _, weights, _ = load_gguf(path, torch.float32)
+    head_dim = HIDDEN // 4
+    for name, tensor in full.items():
+        rows = tensor.shape[0]
+        step = head_dim if rows % head_dim == 0 else 1
+        for start in range(0, rows, max(step, rows // 2)):
+            part = weights.read(name, 0, start, min(step, rows - start))
+            assert torch.equal(part, tensor[start : start + part.shape[0]]), name
+        out = torch.empty_like(tensor)
+        weights.read_into(out, name)  # in pieces of whole heads for q and k
+        assert torch.equal(out, tensor), name
+        if tensor.dim() == 2:
+            assert torch.equal(weights.read(name, 1, 8, 24), tensor[:, 8:32]), name
+            out = torch.empty(rows, 24)
+            weights.read_into(out, name, 1, 8, 24)
+            assert torch.equal(out, tensor[:, 8:32]), name
+    q = "model.layers.0.self_attn.q_proj.weight"
+    with pytest.raises(ValueError, match="splits a head"):
+        weights.read(q, 0, 1, head_dim)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -136,3 +138,44 @@ def test_engine_in_process_serves_the_same_tokens(tiny_llama: Path, tmp_path: Pa
             server.stop()
     first, second = (a.json()["choices"][0] for a in answers)
     assert first["text"] == second["text"] and first["logprobs"] == second["logprobs"]
+
+
+def test_killed_worker_rank_ends_requests_and_the_server(tiny_long: Path, tmp_path: Path):
+    server = _serve(tiny_long, tmp_path, "--tensor-parallel-size", "2")
+    try:
+        core = _core(server)
+        workers = _children(core)
+        assert len(workers) == 1, workers
+        outcome: dict[str, object] = {}
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{server.base_url}/completions",
+                              json={**LONG, "stream": True}, timeout=30) as response:  # fmt: skip
+                outcome["events"] = sse_events(response)
+                outcome["end"] = time.monotonic()
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while server.metrics()["infire:generation_tokens_total"] < 5:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(workers[0], signal.SIGKILL)
+        killed = time.monotonic()
+        thread.join(30)
+        assert outcome["events"][-1]["error"]["code"] == "engine_dead"
+        assert outcome["end"] - killed < 5
+        assert server.process.wait(20) == 1
+        assert _gone(core, 5)
+    finally:
+        server.stop()
+
+
+def test_a_model_that_cannot_be_cut_is_refused_at_startup(tiny_llama: Path):
+    run = subprocess.run(
+        [sys.executable, "-m", "infire.cli", "serve", "--model", str(tiny_llama),
+         "--tensor-parallel-size", "3"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert "num_attention_heads 4 is not divisible by tensor_parallel_size 3" in run.stderr

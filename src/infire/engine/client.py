@@ -15,6 +15,7 @@ every open stream ends with EngineDeadError at once and the client stays dead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -189,9 +190,10 @@ class InprocEngineClient(EngineClient):
         return cls(LLMEngine(config))
 
     def shutdown(self) -> None:
-        """Stop the engine thread."""
+        """Stop the engine thread and the engine's worker ranks."""
         self._commands.put(Shutdown())
         self._thread.join(timeout=10)
+        self.engine.shutdown()
 
     def _send(self, message: Message) -> None:
         self._commands.put(message)
@@ -261,7 +263,7 @@ class MPEngineClient(EngineClient):
             tokenizer = load_tokenizer(config.model)
             info = _wait_ready(process, inbox, timeout)
         except BaseException:
-            _stop_process(process)
+            stop_processes([process])
             context.destroy(linger=0)
             shutil.rmtree(folder, ignore_errors=True)
             raise
@@ -274,7 +276,7 @@ class MPEngineClient(EngineClient):
         self._stopping = True
         if self._dead is None and self.process.poll() is None:
             self._send(Shutdown())
-        _stop_process(self.process)
+        stop_processes([self.process])
         self._thread.join(timeout=5)
         self._context.destroy(linger=0)
         shutil.rmtree(self._folder, ignore_errors=True)
@@ -311,13 +313,12 @@ def _wait_ready(process: subprocess.Popen, inbox: object, timeout: float | None)
     raise ModelLoadError(f"the engine core did not start within {timeout}s")
 
 
-def _stop_process(process: subprocess.Popen) -> None:
-    """Wait briefly for a clean exit, then terminate, then kill."""
-    for stop in (None, process.terminate, process.kill):
-        if stop is not None:
-            stop()
-        try:
-            process.wait(timeout=5)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+def stop_processes(processes: list[subprocess.Popen]) -> None:
+    """Wait briefly for each process to exit, then terminate, then kill."""
+    for stop in (None, "terminate", "kill"):
+        alive = [p for p in processes if p.poll() is None]
+        for process in alive if stop else []:
+            getattr(process, stop)()
+        for process in alive:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=5)

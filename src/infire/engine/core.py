@@ -142,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
             commands.append(decode(inbox.recv()))
         return commands
 
-    run_core(engine, receive, lambda outputs: outbox.send(encode(outputs)))
+    try:
+        run_core(engine, receive, lambda outputs: outbox.send(encode(outputs)))
+    finally:
+        engine.shutdown()
     outbox.close(linger=1000)
     inbox.close(linger=0)
     return 0

@@ -10,11 +10,13 @@ the offline API (LLM) and the CLI drive this class.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from infire.config import EngineConfig, resolve_dtype
+from infire.engine.executor import MultiprocExecutor, UniprocExecutor
 from infire.engine.kv_cache import BlockManager
 from infire.engine.messages import (
     ChoiceDelta,
@@ -55,25 +57,31 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
-        fused_bf16 = config.cpu_kernels and config.device == "cpu" and cpu_forward.available()
+        sharded = config.parallel.world_size > 1  # TP / PP ranks run the PyTorch path
+        fused_bf16 = (
+            config.cpu_kernels and config.device == "cpu" and cpu_forward.available()
+            and not sharded
+        )  # fmt: skip
         self.dtype = resolve_dtype(config.dtype, config.device, fused_bf16)
-        loaded = load_model(config.model, self.dtype)
+        if sharded:
+            self.executor: UniprocExecutor | MultiprocExecutor = MultiprocExecutor(
+                config, self.dtype
+            )
+            loaded = self.executor.loaded
+        else:
+            loaded = load_model(config.model, self.dtype)
+            runner = ModelRunner(
+                loaded.config, loaded.weights, config.cache, self.dtype, config.device,
+                config.seed, config.cpu_kernels, palette=loaded.palette,
+            )  # fmt: skip
+            self.executor = UniprocExecutor(runner)
+        self.runner = self.executor.runner  # rank 0's
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
+        del loaded
         context = self.model_config.max_position_embeddings
         self.max_model_len = min(config.scheduler.max_model_len or context, context)
-        self.runner = ModelRunner(
-            loaded.config,
-            loaded.weights,
-            config.cache,
-            self.dtype,
-            config.device,
-            config.seed,
-            config.cpu_kernels,
-            palette=loaded.palette,
-        )
-        del loaded
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -81,6 +89,8 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}
         self.stats = StepCounters()
         self._next_seq_id = 0
+        # Pipeline micro-batches sent but not back yet, oldest first.
+        self._in_flight: deque[tuple[SchedulerOutput, object]] = deque()
         self.model_info = ModelInfo(
             name=self.model_name,
             max_model_len=self.max_model_len,
@@ -153,8 +163,16 @@ class LLMEngine:
         for seq in seqs:
             if not seq.finished:
                 seq.finish("abort")
-                self.scheduler.finish(seq)
+                self._finish(seq)
         return self._final_delta(request_id)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.executor.release([seq.seq_id])
+
+    def shutdown(self) -> None:
+        """Stop the worker ranks, if any (idempotent)."""
+        self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
@@ -171,11 +189,27 @@ class LLMEngine:
         )  # fmt: skip
 
     def step(self) -> list[RequestDelta]:
-        """Run one engine iteration; returns what changed, per request."""
-        batch = self.scheduler.schedule()
-        result = self.runner.execute(batch.scheduled) if batch.scheduled else StepResult([], None)
+        """Run one engine iteration; returns what changed, per request.
+
+        With pipeline parallelism up to `pipeline_depth` micro-batches (of disjoint
+        sequences) are in flight: it fills the pipeline, then completes the oldest."""
+        while len(self._in_flight) < self.executor.pipeline_depth:
+            busy = frozenset(i.seq.seq_id for b, _ in self._in_flight for i in b.scheduled)
+            batch = self.scheduler.schedule(busy)
+            if not batch.scheduled:
+                if self._in_flight and not (batch.finished or batch.preempted):
+                    break
+                return self._deltas(self._update(batch, StepResult([], None)))
+            handle = self.executor.submit(batch.scheduled, batch.preempted)
+            self._in_flight.append((batch, handle))
+        batch, handle = self._in_flight.popleft()
+        return self._deltas(self._update(batch, self.executor.wait(handle)))
+
+    def _deltas(self, changed: dict[str, None]) -> list[RequestDelta]:
         deltas = []
-        for request_id in self._update(batch, result):
+        for request_id in changed:
+            if request_id not in self.requests:
+                continue  # aborted while its micro-batch was in flight: its delta is out
             done = self._done(request_id)
             delta = self._final_delta(request_id) if done else self._delta(request_id)
             if delta is not None:
@@ -185,12 +219,14 @@ class LLMEngine:
     def _update(self, batch: SchedulerOutput, result: StepResult) -> dict[str, None]:
         stats = self.stats
         stats.num_steps += 1
-        stats.num_preemptions += batch.num_preempted
+        stats.num_preemptions += len(batch.preempted)
         stats.prefix_cache_queries += batch.num_queried_tokens
         stats.prefix_cache_hits += batch.num_cached_tokens
         changed: dict[str, None] = {}
         for item in batch.scheduled:
             seq = item.seq
+            if seq.finished:
+                continue  # aborted while in flight: its blocks are gone already
             start = seq.num_computed_tokens
             stats.num_computed_prompt_tokens += max(
                 0, min(seq.num_prompt_tokens - start, item.num_new_tokens)
@@ -199,12 +235,14 @@ class LLMEngine:
             self.block_manager.cache_full_blocks(seq)
         now = time.monotonic()
         for i, seq in enumerate(result.sampled_seqs):
+            if seq.finished:
+                continue
             append_token(seq, result.output, i, self.tokenizer, self.max_model_len)
             stats.num_generation_tokens += 1
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
             if seq.finished:
-                self.scheduler.finish(seq)
+                self._finish(seq)
             changed[seq.request_id] = None
         for seq in batch.finished:
             changed[seq.request_id] = None

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence as Seq
 from typing import Any
 
 from tqdm import tqdm
 
-from infire.config import CacheConfig, EngineConfig, SchedulerConfig
+from infire.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from infire.engine.engine import LLMEngine
 from infire.engine.messages import merge_delta
 from infire.engine.validation import check_params
@@ -19,7 +20,11 @@ DEFAULT_KV_CACHE_MEMORY = 512 * 1024**2
 
 
 class LLM:
-    """Generate for a batch of prompts; `LLM()` serves the default model (SmolLM2-135M)."""
+    """Generate for a batch of prompts; `LLM()` serves the default model (SmolLM2-135M).
+
+    With tensor_parallel_size x pipeline_parallel_size > 1 this process is rank 0 and the
+    other ranks are worker processes: `shutdown()` (or leaving a `with` block) stops them,
+    as do garbage collection and interpreter exit."""
 
     def __init__(
         self,
@@ -36,6 +41,8 @@ class LLM:
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
         cpu_kernels: bool = True,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -45,9 +52,21 @@ class LLM:
             cpu_kernels=cpu_kernels,
             cache=CacheConfig(block_size, kv_cache_memory, num_blocks, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len),
+            parallel=ParallelConfig(tensor_parallel_size, pipeline_parallel_size),
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the worker ranks (a no-op for one rank); the LLM cannot generate after."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):  # noqa: ANN201 (re-exported type)
         """The model's tokenizer."""

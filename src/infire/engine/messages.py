@@ -121,7 +121,57 @@ class StepOutputs:
     stats: EngineStats = field(default_factory=EngineStats)
 
 
-Message = GenerateRequest | AbortRequest | Shutdown | EngineReady | EngineFailed | StepOutputs
+# --- engine core -> worker ranks (tensor / pipeline parallel) --------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class NewSequence:
+    """A sequence a worker has not seen: what it needs to compute and sample it."""
+
+    seq_id: int
+    index: int  # which of its request's n samples (seeds the generator with seed + index)
+    params: SamplingParams
+    prompt_token_ids: list[int]  # what penalties count as prompt, not output
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledItem:
+    """One sequence of a step: its new tokens and blocks since the worker last saw it."""
+
+    seq_id: int
+    num_computed_tokens: int  # where this step starts
+    num_new_tokens: int  # tokens computed this step
+    new_token_ids: list[int]  # appended to the sequence since the last step it was in
+    block_table_start: int  # the worker's table is cut here (0 after preemption) ...
+    new_block_ids: list[int]  # ... and these appended
+
+
+@dataclass(frozen=True, slots=True)
+class StepInput:
+    """One step for every rank: new sequences, the batch in order, sequences to forget."""
+
+    step_id: int
+    new: list[NewSequence]
+    scheduled: list[ScheduledItem]
+    finished: list[int]  # seq ids finished or aborted since the last step
+
+
+@dataclass(frozen=True, slots=True)
+class SampledTokens:
+    """The sampling rank's answer to a StepInput: a SamplerOutput's fields, row by row."""
+
+    step_id: int
+    token_ids: list[int]
+    sampled_logprobs: list[float] | None = None
+    sampled_ranks: list[int] | None = None
+    top_token_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+Message = (
+    GenerateRequest | AbortRequest | Shutdown | EngineReady | EngineFailed | StepOutputs
+    | StepInput | SampledTokens
+)  # fmt: skip
 
 
 class WireError(InfireError):
@@ -159,7 +209,7 @@ def merge_delta(output: RequestOutput | None, delta: RequestDelta) -> RequestOut
 
 _TAGS = {
     GenerateRequest: 1, AbortRequest: 2, Shutdown: 3, EngineReady: 4, EngineFailed: 5,
-    StepOutputs: 6,
+    StepOutputs: 6, StepInput: 7, SampledTokens: 8,
 }  # fmt: skip
 _TYPES = {tag: cls for cls, tag in _TAGS.items()}
 
@@ -187,6 +237,13 @@ def _fields(message: Message) -> list:
     if isinstance(message, StepOutputs):
         stats = list(dataclasses.astuple(message.stats))
         return [[_delta_fields(d) for d in message.deltas], stats]
+    if isinstance(message, StepInput):
+        new = [
+            [n.seq_id, n.index, dataclasses.asdict(n.params), n.prompt_token_ids]
+            for n in message.new
+        ]
+        scheduled = [list(dataclasses.astuple(item)) for item in message.scheduled]
+        return [message.step_id, new, scheduled, message.finished]
     return [getattr(message, f.name) for f in dataclasses.fields(message)]
 
 
@@ -200,6 +257,10 @@ def _build(cls: type, values: list) -> Message:
     if cls is StepOutputs:
         deltas, stats = values
         return StepOutputs([_build_delta(d) for d in deltas], EngineStats(*stats))
+    if cls is StepInput:
+        step_id, new, scheduled, finished = values
+        new_seqs = [NewSequence(i, x, SamplingParams(**p), ids) for i, x, p, ids in new]
+        return StepInput(step_id, new_seqs, [ScheduledItem(*v) for v in scheduled], finished)
     return cls(*values)
 
 

@@ -8,18 +8,21 @@ all layers, computes logits only for sequences whose prompt is complete, and sam
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from infire.config import CacheConfig, ModelConfig
 from infire.engine.request import Sequence
+from infire.engine.sampling_state import SamplingState
 from infire.engine.scheduler import ScheduledSequence
 from infire.errors import ModelLoadError
 from infire.kernels import CpuForward
 from infire.layers.attention import AttentionMetadata, DecodeGroup, PrefillGroup
 from infire.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from infire.models.llama import LlamaForCausalLM
+from infire.parallel import SINGLE, TensorParallelGroup, kv_head_shard
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,32 +39,46 @@ class ModelRunner:
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: Mapping[str, torch.Tensor],
         cache_config: CacheConfig,
         dtype: torch.dtype,
         device: str = "cpu",
         seed: int = 0,
         cpu_kernels: bool = True,
         palette: bool = False,
+        *,
+        tp: TensorParallelGroup = SINGLE,
+        layer_range: tuple[int, int] | None = None,
     ) -> None:
+        """Build this rank's part of the model (its tp slice of the layers in `layer_range`,
+        all of them by default), load it from `weights` (a lazy WeightSource or a dict) and
+        allocate its share of the KV pool."""
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = cache_config.block_size
+        self.tp = tp
         with torch.device(self.device):
-            self.model = LlamaForCausalLM(config).to(dtype)
+            self.model = LlamaForCausalLM(config, tp, layer_range).to(dtype)
         self.model.load_weights(weights)
         self.model.eval()
+        # Every rank sizes the pool from the whole model's KV, so all agree on num_blocks
+        # (one block manager serves them all); each allocates only its layers and KV heads.
         self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(cache_config)
+        start, end = self.model.layer_range
+        local_kv_heads = kv_head_shard(config.num_key_value_heads, tp)[1]
         self.kv_cache = torch.zeros(
-            config.num_hidden_layers, 2, self.num_blocks, self.block_size,
-            config.num_key_value_heads, config.head_dim, dtype=dtype, device=self.device,
+            end - start, 2, self.num_blocks, self.block_size,
+            local_kv_heads, config.head_dim, dtype=dtype, device=self.device,
         )  # fmt: skip
         # The fused CPU forward, where it applies, tiles its own copy of the weights, so it
         # is built before oneDNN packing replaces them.
         self.fused: CpuForward | None = None
         self.fused_status = "disabled"
-        if cpu_kernels:
+        sharded = tp.world_size > 1 or (end - start) < config.num_hidden_layers
+        if cpu_kernels and sharded:
+            self.fused_status = "unavailable: tensor/pipeline parallel ranks use the PyTorch path"
+        elif cpu_kernels:
             built = CpuForward.build(self.model, self.kv_cache, dtype, palette)
             self.fused = built if isinstance(built, CpuForward) else None
             self.fused_status = "active" if self.fused else f"unavailable: {built}"
@@ -74,6 +91,7 @@ class ModelRunner:
         elif self.device.type == "cpu":
             self.model.pack_for_cpu()
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(seed))
+        self.sampling_state = SamplingState(config.vocab_size, self.device)
 
     def _blocks_for_budget(self, cache_config: CacheConfig) -> int:
         per_block = (
@@ -116,13 +134,30 @@ class ModelRunner:
 
     def _forward(self, batch: list[ScheduledSequence]) -> tuple[list[Sequence], torch.Tensor]:
         """PyTorch forward; logits of the sequences that sample this step."""
+        return [item.seq for item in batch if _samples(item)], self.run_stage(batch, None)
+
+    @torch.inference_mode()
+    def run_stage(
+        self, batch: list[ScheduledSequence], hidden: torch.Tensor | None
+    ) -> torch.Tensor:
+        """This rank's part of a PyTorch forward: the hidden states for the next pipeline
+        stage, or on the last stage the logits of the rows that sample (all gathered over
+        the tensor-parallel group). `hidden` comes from the previous stage (None on the
+        first)."""
         input_ids, positions, meta = self._prepare_inputs(batch)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        out = self.model(input_ids if hidden is None else hidden, positions, self.kv_cache, meta)
+        if not self.model.is_last_stage:
+            return out
         rows = _last_rows(batch)
-        if not rows:
-            return [], hidden[:0]
-        logits = self.model.compute_logits(hidden[_longs(rows, self.device)])
-        return [item.seq for item in batch if _samples(item)], logits
+        return self.model.compute_logits(out[_longs(rows, self.device)]) if rows else out[:0]
+
+    @torch.inference_mode()
+    def sample(self, batch: list[ScheduledSequence], logits: torch.Tensor) -> StepResult:
+        """Sample the rows of `logits` (from run_stage) for the batch's sampling sequences."""
+        seqs = [item.seq for item in batch if _samples(item)]
+        if not seqs:
+            return StepResult([], None)
+        return StepResult(seqs, self.sampler(logits, self._sampling_metadata(seqs)))
 
     def _forward_fused(self, batch: list[ScheduledSequence]) -> tuple[list[Sequence], torch.Tensor]:
         """The same through the fused CPU forward."""
@@ -216,47 +251,11 @@ class ModelRunner:
         )
 
     def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
-        params = [seq.params for seq in seqs]
-        dev = self.device
-        meta = SamplingMetadata(
-            temperature=_floats([p.temperature for p in params], dev),
-            top_k=None,
-            top_p=None,
-            min_p=None,
-            generators=[seq.generator for seq in seqs],
-            all_greedy=all(p.greedy for p in params),
-        )
-        if any(p.top_k > 0 for p in params):
-            meta.top_k = torch.tensor([p.top_k for p in params], device=dev)
-        if any(p.top_p < 1.0 for p in params):
-            meta.top_p = _floats([p.top_p for p in params], dev)
-        if any(p.min_p > 0.0 for p in params):
-            meta.min_p = _floats([p.min_p for p in params], dev)
-        if any(p.uses_penalties for p in params):
-            self._penalty_metadata(meta, seqs)
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-        meta.max_num_logprobs = max(wanted) if wanted else None
-        if any(p.logit_bias for p in params):
-            meta.logit_bias = torch.zeros(len(params), self.config.vocab_size, device=dev)
-            for row, p in enumerate(params):
-                for token, bias in (p.logit_bias or {}).items():
-                    meta.logit_bias[row, token] = bias
-        return meta
+        return self.sampling_state.metadata(seqs)
 
-    def _penalty_metadata(self, meta: SamplingMetadata, seqs: list[Sequence]) -> None:
-        vocab, dev = self.config.vocab_size, self.device
-        meta.repetition_penalty = _floats([s.params.repetition_penalty for s in seqs], dev)[:, None]
-        meta.frequency_penalty = _floats([s.params.frequency_penalty for s in seqs], dev)[:, None]
-        meta.presence_penalty = _floats([s.params.presence_penalty for s in seqs], dev)[:, None]
-        # One spare column absorbs padding ids; token ids past the vocab cannot occur.
-        meta.seen_mask = torch.zeros(len(seqs), vocab + 1, dtype=torch.bool, device=dev)
-        meta.output_counts = torch.zeros(len(seqs), vocab + 1, device=dev)
-        seen = _padded([s.token_ids for s in seqs], vocab, dev)
-        outputs = _padded([s.output_token_ids for s in seqs], vocab, dev)
-        meta.seen_mask.scatter_(1, seen, True)
-        meta.output_counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=torch.float32))
-        meta.seen_mask = meta.seen_mask[:, :vocab]
-        meta.output_counts = meta.output_counts[:, :vocab]
+    def release_sequence(self, seq_id: int) -> None:
+        """Free a finished or aborted sequence's sampling rows (penalties, logit bias); idempotent."""
+        self.sampling_state.release(seq_id)
 
 
 def _last_rows(batch: list[ScheduledSequence]) -> list[int]:
@@ -276,12 +275,3 @@ def _samples(item: ScheduledSequence) -> bool:
 
 def _longs(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)
-
-
-def _floats(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)
-
-
-def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    width = max(1, max(len(r) for r in rows))
-    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=device)

@@ -32,7 +32,7 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)  # could never fit the pool
-    num_preempted: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache this step
     num_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache this step
 
@@ -59,20 +59,30 @@ class Scheduler:
         """True while any sequence waits or runs."""
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
-        """Pick this step's batch within the token budget and the block pool."""
+    def schedule(self, in_flight: frozenset[int] = frozenset()) -> SchedulerOutput:
+        """Pick this step's batch within the token budget and the block pool.
+
+        Sequences in `in_flight` (ids of sequences in a pipeline micro-batch whose tokens
+        are not back yet) are neither scheduled nor preempted."""
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, in_flight)
         self._schedule_waiting(out, budget)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, in_flight: frozenset) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.seq_id in in_flight:
+                i += 1
+                continue
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
-                victim = self.running[-1]
+                victim = next(
+                    (v for v in reversed(self.running) if v.seq_id not in in_flight), None
+                )
+                if victim is None:
+                    return 0  # only in-flight sequences hold blocks: wait for them
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -118,7 +128,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        out.num_preempted += 1
+        out.preempted.append(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Drop a finished (or aborted) sequence from the queues and free its blocks at once."""

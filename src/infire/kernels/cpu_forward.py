@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from infire.config import ModelConfig
-from infire.kernels.build import compile_library
 from infire.layers.rotary import RotaryEmbedding
+from infire.native import compile_library
 from infire.unweight import palette
 
 logger = logging.getLogger(__name__)

@@ -3,16 +3,24 @@
 ColumnParallelLinear splits the output features across ranks; RowParallelLinear splits
 the input features and sums the partial products. Merged variants (QKV, gate+up) hold
 several logical weights in one matrix so a layer runs one matmul instead of three.
-Each layer loads a full (unsharded) checkpoint tensor and keeps its own slice.
+QKVParallelLinear splits by heads: q heads evenly, KV heads evenly where there are at
+least as many as ranks, else one KV head per rank, replicated (rank r takes KV head
+r * kv_heads // tp). Each layer reads only its own slice of a checkpoint tensor from the
+lazy weight source (models/weights.py), never the whole of it.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infire.parallel import SINGLE, TensorParallelGroup
+from infire.parallel import SINGLE, TensorParallelGroup, kv_head_shard
+
+if TYPE_CHECKING:
+    from infire.models.weights import LazyTensor
 
 
 class LinearBase(nn.Module):
@@ -45,7 +53,10 @@ PACK_BATCH_HINT = 32
 
 
 class ColumnParallelLinear(LinearBase):
-    """y = x W^T + b with W's rows (output features) split across the tp group."""
+    """y = x W^T + b with W's rows (output features) split across the tp group.
+
+    `output_sizes` are the full sizes of the logical weights merged into this one; by
+    default each is split evenly, `slices` gives each one's (start, length) explicitly."""
 
     def __init__(
         self,
@@ -53,10 +64,14 @@ class ColumnParallelLinear(LinearBase):
         output_sizes: list[int],
         bias: bool = False,
         tp: TensorParallelGroup = SINGLE,
+        slices: list[tuple[int, int]] | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp
-        self.output_sizes = [tp.shard(size, "output size")[1] for size in output_sizes]
+        self.input_size = input_size
+        self.full_sizes = list(output_sizes)
+        self.slices = slices or [tp.shard(size, "output size") for size in output_sizes]
+        self.output_sizes = [length for _, length in self.slices]  # local, per logical weight
         out = sum(self.output_sizes)
         self.weight = nn.Parameter(torch.empty(out, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
@@ -64,19 +79,38 @@ class ColumnParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
-    def load_shard(self, name: str, loaded: torch.Tensor, shard_index: int = 0) -> None:
-        """Copy this rank's rows of logical weight `shard_index` from a full tensor."""
+    def load_shard(self, name: str, loaded: LazyTensor, shard_index: int = 0) -> None:
+        """Read this rank's rows of logical weight `shard_index` (or of its bias)."""
         param = self.weight if name == "weight" else self.bias
         if param is None:
             raise KeyError(f"layer has no {name}")
-        size = self.output_sizes[shard_index]
+        expected = (self.full_sizes[shard_index], *param.shape[1:])
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"{name}: expected shape {list(expected)}, got {list(loaded.shape)}")
+        start, length = self.slices[shard_index]
         offset = sum(self.output_sizes[:shard_index])
-        start = self.tp.rank * size
-        if loaded.shape[0] != size * self.tp.world_size:
-            raise ValueError(
-                f"{name}: expected {size * self.tp.world_size} rows, got {loaded.shape[0]}"
-            )
-        param.data[offset : offset + size].copy_(loaded[start : start + size])
+        loaded.read_into(param.data[offset : offset + length], 0, start, length)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The merged q/k/v projection, split by heads (KV heads replicated where fewer than tp)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        tp: TensorParallelGroup = SINGLE,
+    ) -> None:
+        q_first, q_count = tp.shard(num_heads, "num_attention_heads")
+        kv_first, kv_count = kv_head_shard(num_kv_heads, tp)
+        self.num_heads, self.num_kv_heads = q_count, kv_count  # local
+        q = (q_first * head_dim, q_count * head_dim)
+        kv = (kv_first * head_dim, kv_count * head_dim)
+        full = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        super().__init__(hidden_size, full, bias, tp, slices=[q, kv, kv])
 
 
 class RowParallelLinear(LinearBase):
@@ -91,7 +125,8 @@ class RowParallelLinear(LinearBase):
     ) -> None:
         super().__init__()
         self.tp = tp
-        self.input_size = tp.shard(input_size, "input size")[1]
+        self.full_input_size = input_size
+        self.input_start, self.input_size = tp.shard(input_size, "input size")
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
 
@@ -100,10 +135,17 @@ class RowParallelLinear(LinearBase):
         y = self.tp.all_reduce(self.matmul(x))
         return y + self.bias if self.bias is not None else y
 
-    def load_shard(self, name: str, loaded: torch.Tensor, shard_index: int = 0) -> None:
-        """Copy this rank's columns from a full weight (or the whole bias)."""
+    def load_shard(self, name: str, loaded: LazyTensor, shard_index: int = 0) -> None:
+        """Read this rank's columns of the weight (or the whole bias)."""
         if name == "bias":
-            self.bias.data.copy_(loaded)
+            if self.bias is None:
+                raise KeyError("layer has no bias")
+            if tuple(loaded.shape) != tuple(self.bias.shape):
+                raise ValueError(f"bias: expected shape {list(self.bias.shape)}, got "
+                                 f"{list(loaded.shape)}")  # fmt: skip
+            loaded.read_into(self.bias.data)
             return
-        start = self.tp.rank * self.input_size
-        self.weight.data.copy_(loaded[:, start : start + self.input_size])
+        expected = (self.weight.shape[0], self.full_input_size)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"{name}: expected shape {list(expected)}, got {list(loaded.shape)}")
+        loaded.read_into(self.weight.data, 1, self.input_start, self.input_size)

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from infire.models.weights import LazyTensor
 
 
 class RMSNorm(nn.Module):
@@ -25,6 +30,9 @@ class RMSNorm(nn.Module):
         out = self.weight * normed.to(x.dtype)
         return out if residual is None else (out, residual)
 
-    def load_shard(self, name: str, loaded: torch.Tensor, shard_index: int = 0) -> None:
+    def load_shard(self, name: str, loaded: LazyTensor, shard_index: int = 0) -> None:
         """Norm weights are replicated on every rank."""
-        self.weight.data.copy_(loaded)
+        if tuple(loaded.shape) != tuple(self.weight.shape):
+            raise ValueError(f"{name}: expected shape {list(self.weight.shape)}, got "
+                             f"{list(loaded.shape)}")  # fmt: skip
+        loaded.read_into(self.weight.data)

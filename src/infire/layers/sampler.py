@@ -53,9 +53,7 @@ class Sampler:
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
         )
-        logits = _apply_penalties(logits, meta)
-        if meta.logit_bias is not None:
-            logits = logits + meta.logit_bias
+        logits = adjust_logits(logits, meta)
         greedy = logits.argmax(dim=-1)
         tokens = greedy if meta.all_greedy else self._sample(logits, meta, greedy)
         out = SamplerOutput(token_ids=tokens.tolist())
@@ -89,15 +87,39 @@ class Sampler:
         return noise
 
 
+def adjust_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The logits after the penalties and the logit bias: what temperature and top-k/p see."""
+    adjusted = _apply_penalties(logits, meta)
+    if meta.logit_bias is None:
+        return adjusted
+    return logits + meta.logit_bias if adjusted is logits else adjusted.add_(meta.logit_bias)
+
+
 def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     if meta.repetition_penalty is None:
         return logits
-    # Repetition penalty (CTRL / HF): shrink the logit of every token already seen.
+    # The plain form is where(x > 0, x / p, x * p) - f * counts - q * (counts > 0). This
+    # gives the same bits (NaN's sign aside) with fewer fresh [N, vocab] tensors (each costs
+    # a pass of page faults on CPU) and no three-tensor torch.where (several times slower
+    # than arithmetic). Repetition penalty (CTRL / HF): x / p is the smaller of the two
+    # when p >= 1 and the larger when p < 1 (rounding keeps the order); rows with p < 1
+    # take the max as -min(-a, -b).
     penalty = torch.where(meta.seen_mask, meta.repetition_penalty, 1.0)
-    logits = torch.where(logits > 0, logits / penalty, logits * penalty)
-    # Frequency / presence penalties (OpenAI): subtract per occurrence in the output.
+    adjusted = logits * penalty
+    scratch = torch.div(logits, penalty, out=penalty)
+    below_one = meta.repetition_penalty < 1.0
+    flip = torch.where(below_one, -1.0, 1.0) if bool(below_one.any()) else None
+    if flip is not None:
+        adjusted.mul_(flip)
+        scratch.mul_(flip)
+    torch.minimum(adjusted, scratch, out=adjusted)
+    if flip is not None:
+        adjusted.mul_(flip)
+    # Frequency / presence penalties (OpenAI), in that order; clamp(counts, 1) is counts > 0.
     counts = meta.output_counts
-    return logits - meta.frequency_penalty * counts - meta.presence_penalty * (counts > 0)
+    adjusted -= torch.mul(meta.frequency_penalty, counts, out=scratch)
+    adjusted -= torch.clamp(counts, max=1.0, out=scratch).mul_(meta.presence_penalty)
+    return adjusted
 
 
 def _apply_top_k_top_p(

@@ -2,8 +2,9 @@
 
 A GGUF file carries everything a model folder would: hyper-parameters and the tokenizer as
 metadata, weights as (often quantized) tensors under llama.cpp's names. This module reads
-it with the `gguf` package (no unpickling), dequantizes every tensor to `dtype`, renames it
-to the Hugging Face name our model code loads, and undoes the one layout change llama.cpp's
+it with the `gguf` package (no unpickling), and serves the weights as a lazy source that
+dequantizes a tensor (or the rows of it a rank keeps) to `dtype` when the model asks,
+under the Hugging Face name our model code loads, and undoes the one layout change llama.cpp's
 converter makes (the q/k row permutation for its pairwise RoPE), so that the weights equal
 what transformers produces from the same file. The tokenizer is rebuilt from the vocabulary
 and merges in the metadata, with the pre-tokenizer of the model it came from.
@@ -11,22 +12,23 @@ and merges in the metadata, with the pre-tokenizer of the model it came from.
 
 from __future__ import annotations
 
+import contextlib
 import math
-import sys
+import mmap
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tokenizers
 import torch
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.gguf_reader import ReaderField, ReaderTensor
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
-from tqdm import tqdm
 
 from infire.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from infire.errors import ModelLoadError, UnsupportedModelError
+from infire.models.weights import WeightSource
 from infire.tokenizer import Tokenizer
 
 # llama.cpp writes Mistral (and Llama 2/3, SmolLM, ...) with the Llama converter, which
@@ -49,6 +51,7 @@ _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+_UNBLOCKED = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
 _ROPE_FREQS = "rope_freqs.weight"  # Llama 3 RoPE scaling, folded into ModelConfig.rope_scaling
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
@@ -74,10 +77,9 @@ _SPLIT_BY_PRE = {
 _NFC_PRE = ("qwen2", "deepseek-r1-qwen")  # Qwen2's tokenizer.json normalizes to NFC first
 
 
-def load_gguf(
-    path: Path, dtype: torch.dtype
-) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Read a llama / qwen2 / mistral GGUF file into its config, HF-named weights and tokenizer."""
+def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, GGUFSource, Tokenizer]:
+    """Open a llama / qwen2 / mistral GGUF file: its config, HF-named weights (read lazily,
+    as `dtype`) and tokenizer."""
     path = Path(path)
     reader, metadata = _open(path)
     file_arch = metadata.get("general.architecture")
@@ -90,7 +92,7 @@ def load_gguf(
         )
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     config = _model_config(metadata, tensors, file_arch, path)
-    weights = _load_weights(tensors, config, file_arch, dtype, path)
+    weights = GGUFSource(reader, tensors, config, file_arch, dtype, path)
     tokenizer = _load_tokenizer(metadata, config.eos_token_ids, path)
     return config, weights, tokenizer
 
@@ -130,6 +132,7 @@ class _PlainArrayReader(GGUFReader):
     @data.setter
     def data(self, value: np.ndarray) -> None:
         self._plain_data = value.view(np.ndarray)
+        self.mapping = getattr(value, "_mmap", None)  # the mmap.mmap, to release read pages
 
 
 def _field_value(field: ReaderField) -> Any:
@@ -294,35 +297,110 @@ def _llama3_factors(scaling: RopeScaling, wavelen: np.ndarray) -> np.ndarray:
 
 # --- weights -----------------------------------------------------------------------------
 
+# Rows dequantized per step: bounds the float32 scratch of a read to ~16 MB whatever the
+# tensor's size (gguf's dequantizers make several temporaries the size of their output).
+_CHUNK_VALUES = 1 << 22
 
-def _load_weights(
-    tensors: dict[str, ReaderTensor],
-    config: ModelConfig,
-    file_arch: str,
-    dtype: torch.dtype,
-    path: Path,
-) -> dict[str, torch.Tensor]:
-    names = {name: _hf_name(name, config.num_hidden_layers, path) for name in tensors}
-    _check_complete(set(names.values()), config, path)
-    weights: dict[str, torch.Tensor] = {}
-    progress = tqdm(
-        [tensors[name] for name in names if names[name] is not None],
-        desc=f"Loading {path.name}",
-        unit="tensor",
-        file=sys.stderr,
-        disable=not sys.stderr.isatty(),
-        leave=False,
-    )
-    for tensor in progress:
-        values = _dequantize(tensor, path)
-        if file_arch in _PERMUTED_QK_ARCHITECTURES and ".attn_q." in tensor.name:
-            values = _unpermute_rope_rows(values, config.num_attention_heads)
-        elif file_arch in _PERMUTED_QK_ARCHITECTURES and ".attn_k." in tensor.name:
-            values = _unpermute_rope_rows(values, config.num_key_value_heads)
-        if not values.flags.writeable:  # a view into the read-only memory map (F32)
-            values = values.copy()
-        weights[names[tensor.name]] = torch.from_numpy(values).to(dtype)
-    return weights
+
+class GGUFSource(WeightSource):
+    """A GGUF file's tensors under Hugging Face names, dequantized one at a time.
+
+    A read dequantizes only the rows it returns (row slices: a rank's share of a column-
+    parallel weight or of the vocabulary), in chunks, and then tells the kernel it no longer
+    needs the mapped pages it read, so neither the float32 scratch nor the file's pages add
+    up while a model loads.
+    """
+
+    def __init__(
+        self,
+        reader: GGUFReader,
+        tensors: dict[str, ReaderTensor],
+        config: ModelConfig,
+        file_arch: str,
+        dtype: torch.dtype,
+        path: Path,
+    ) -> None:
+        super().__init__(dtype)
+        # Only the tensors' views of the memory map are kept, not the reader: its parsed
+        # metadata (a numpy array per token and merge) would stay alive as long as we do.
+        self._mapping = getattr(reader, "mapping", None)
+        self._config = config
+        self._permuted = file_arch in _PERMUTED_QK_ARCHITECTURES
+        self._path = path
+        hf_names = {name: _hf_name(name, config.num_hidden_layers, path) for name in tensors}
+        _check_complete(set(hf_names.values()), config, path)
+        self._tensors = {hf: tensors[name] for name, hf in hf_names.items() if hf is not None}
+        for tensor in self._tensors.values():
+            _dequantize(tensor, path, 0, 1)  # refuse types we cannot dequantize now, not later
+
+    def names(self) -> list[str]:
+        """Hugging Face names, in file order."""
+        return list(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """[out, in] for a linear weight (GGUF lists dimensions the other way round)."""
+        return _torch_shape(self._tensors[name])
+
+    def _read(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
+        tensor = self._tensors[name]
+        shape = _torch_shape(tensor)
+        heads = self._rope_heads(name)
+        if heads:  # rows are un-permuted head by head: read whole heads only
+            head_dim = shape[0] // heads
+            if dim == 0 and (start % head_dim or length % head_dim):
+                raise ValueError(f"{name}: row slice [{start}, {start + length}) splits a head")
+        rows = range(start, start + length) if dim == 0 else range(shape[0])
+        cols = shape[1] if len(shape) > 1 else 1
+        out = torch.empty((len(rows), length) if dim == 1 else (len(rows), *shape[1:]),
+                          dtype=self.dtype)  # fmt: skip
+        step = max(1, _CHUNK_VALUES // cols)
+        if heads:
+            step = max(head_dim, step // head_dim * head_dim)
+        for first in range(rows.start, rows.stop, step):
+            last = min(first + step, rows.stop)
+            values = _dequantize(tensor, self._path, first, last)
+            if heads:
+                values = _unpermute_rope_rows(values, (last - first) // head_dim)
+            part = torch.from_numpy(values)
+            out[first - rows.start : last - rows.start] = (
+                part if dim == 0 else part.narrow(1, start, length)
+            )
+        self._release(tensor)
+        return out
+
+    def _rows_per_piece(self, name: str) -> int:
+        rows = super()._rows_per_piece(name)
+        heads = self._rope_heads(name)
+        if not heads:
+            return rows
+        head_dim = self.shape(name)[0] // heads
+        return max(head_dim, rows // head_dim * head_dim)
+
+    def _rope_heads(self, name: str) -> int:
+        """Heads of a q/k weight llama.cpp permuted (0 for every other tensor)."""
+        if not self._permuted or not name.endswith(".weight"):
+            return 0
+        if ".self_attn.q_proj." in name:
+            return self._config.num_attention_heads
+        if ".self_attn.k_proj." in name:
+            return self._config.num_key_value_heads
+        return 0
+
+    def _release(self, tensor: ReaderTensor) -> None:
+        """Drop the file pages of `tensor` from this process (they stay in the page cache)."""
+        mapping = self._mapping
+        if mapping is None:
+            return
+        page = mmap.PAGESIZE
+        begin = tensor.data_offset // page * page
+        end = min(len(mapping), tensor.data_offset + tensor.n_bytes)
+        with contextlib.suppress(OSError, ValueError):
+            mapping.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+
+
+def _torch_shape(tensor: ReaderTensor) -> tuple[int, ...]:
+    # GGUF lists dimensions fastest-varying first, so [in, out] there is [out, in] row-major.
+    return tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
 
 
 def _hf_name(name: str, num_layers: int, path: Path) -> str | None:
@@ -353,17 +431,27 @@ def _check_complete(present: set[str | None], config: ModelConfig, path: Path) -
         raise ModelLoadError(f"{path}: GGUF file lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
-def _dequantize(tensor: ReaderTensor, path: Path) -> np.ndarray:
-    """Float32 values of `tensor`, shaped as PyTorch expects ([out, in] for a linear weight)."""
+def _dequantize(
+    tensor: ReaderTensor, path: Path, first: int = 0, last: int | None = None
+) -> np.ndarray:
+    """Float32 values of rows [first, last) of `tensor` (all by default), shaped as PyTorch
+    expects ([rows, in] for a linear weight); always a writable array."""
+    shape = _torch_shape(tensor)
+    # quantized blocks run along a row: a 1-D quantized tensor cannot be cut before decoding
+    whole = last is None or (len(shape) == 1 and tensor.tensor_type not in _UNBLOCKED)
+    data = tensor.data if whole else tensor.data[first:last]
     try:
-        values = dequantize(tensor.data, tensor.tensor_type)
+        values = dequantize(data, tensor.tensor_type)
     except NotImplementedError:
         raise UnsupportedModelError(
             f"{path}: tensor {tensor.name!r} has GGML type {tensor.tensor_type.name}, "
             "which infire cannot dequantize"
         ) from None
-    # GGUF lists dimensions fastest-varying first, so [in, out] there is [out, in] row-major.
-    return values.reshape(tuple(int(dim) for dim in reversed(tensor.shape.tolist())))
+    values = values.reshape(shape if whole else (last - first, *shape[1:]))
+    if whole and last is not None:
+        values = values[first:last]
+    # F32 comes back as a view into the read-only memory map
+    return values if values.flags.writeable else values.copy()
 
 
 def _unpermute_rope_rows(values: np.ndarray, num_heads: int) -> np.ndarray:

@@ -2,8 +2,11 @@
 
 Reads like the architecture: embed -> N x [RMSNorm, GQA attention with RoPE, residual,
 RMSNorm, SwiGLU MLP, residual] -> RMSNorm -> LM head. Qwen2 differs only by q/k/v biases.
-q/k/v and gate/up are merged into one matmul each; every linear layer is tensor-parallel
-ready. Weights load from Hugging Face names (the GGUF loader maps to those too).
+q/k/v and gate/up are merged into one matmul each; every linear layer is tensor-parallel.
+A pipeline stage builds only its `layer_range` of layers: the first stage embeds, the
+last one holds the final norm and the LM head, and the hidden states in between are the
+caller's to pass on. Weights load from Hugging Face names (the GGUF loader maps to those
+too), each layer reading only its own slice from a lazy weight source.
 """
 
 from __future__ import annotations
@@ -18,10 +21,16 @@ from infire.config import ModelConfig
 from infire.errors import ModelLoadError
 from infire.layers.attention import AttentionMetadata, PagedAttention
 from infire.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from infire.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
+from infire.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from infire.layers.norm import RMSNorm
 from infire.layers.rotary import RotaryEmbedding, apply_rotary
-from infire.parallel import SINGLE, TensorParallelGroup
+from infire.models.weights import WeightSource, as_source
+from infire.parallel import SINGLE, TensorParallelGroup, check_parallel
 
 
 class LlamaAttention(nn.Module):
@@ -30,15 +39,13 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallelGroup) -> None:
         super().__init__()
         self.head_dim = config.head_dim
-        self.num_heads = tp.shard(config.num_attention_heads, "num_attention_heads")[1]
-        self.num_kv_heads = tp.shard(config.num_key_value_heads, "num_key_value_heads")[1]
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, config.head_dim, config.num_attention_heads,
+            config.num_key_value_heads, bias=config.attention_bias, tp=tp,
+        )  # fmt: skip
+        self.num_heads = self.qkv_proj.num_heads  # this rank's
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         q_full = config.num_attention_heads * self.head_dim
-        kv_full = config.num_key_value_heads * self.head_dim
-        self.qkv_proj = ColumnParallelLinear(
-            config.hidden_size, [q_full, kv_full, kv_full], bias=config.attention_bias, tp=tp
-        )
         self.o_proj = RowParallelLinear(q_full, config.hidden_size, tp=tp)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
@@ -104,39 +111,60 @@ _NAME = re.compile(r"^(.*)\.(\w+)\.(weight|bias)$")
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder-only LM: hidden states for a flat batch, logits for the rows asked for."""
+    """Decoder-only LM (or one pipeline stage of it): hidden states for a flat batch, logits
+    for the rows asked for (last stage)."""
 
-    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: TensorParallelGroup = SINGLE,
+        layer_range: tuple[int, int] | None = None,
+    ) -> None:
         super().__init__()
+        check_parallel(config, tp.world_size, 1)  # a model tp cannot split is named, not hit
         self.config = config
+        start, end = layer_range or (0, config.num_hidden_layers)
+        if not 0 <= start < end <= config.num_hidden_layers:
+            raise ValueError(f"layer_range {layer_range} for {config.num_hidden_layers} layers")
+        self.layer_range = (start, end)
+        self.is_first_stage = start == 0
+        self.is_last_stage = end == config.num_hidden_layers
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, tp) for _ in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.embed_tokens: VocabParallelEmbedding | None = None
+        if self.is_first_stage:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(start, end))
+        self.norm: RMSNorm | None = None
+        self.lm_head: ParallelLMHead | None = None
+        if self.is_last_stage:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+            if config.tie_word_embeddings and self.embed_tokens is not None:
+                self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        inputs: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """Final hidden states [T, hidden] of the flat batch; kv_caches is [layers, 2, ...]."""
-        hidden = self.embed_tokens(input_ids)
+        """Hidden states [T, hidden] after this stage's layers (normed on the last stage).
+
+        `inputs` is the flat batch's token ids [T] on the first stage, the previous stage's
+        hidden states [T, hidden] on the others; kv_caches is [local layers, 2, ...]."""
+        hidden = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
         cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(cos_sin, hidden, kv_cache, meta)
-        return self.norm(hidden)
+        return self.norm(hidden) if self.norm is not None else hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vocabulary logits [N, vocab] in float32 for the selected hidden rows."""
+        """Vocabulary logits [N, vocab] in float32 for the selected hidden rows (last stage)."""
+        if self.lm_head is None:
+            raise RuntimeError("logits are computed on the last pipeline stage only")
         return self.lm_head(hidden).float()
 
     def pack_for_cpu(self) -> bool:
@@ -152,11 +180,14 @@ class LlamaForCausalLM(nn.Module):
                 dtype = module.weight.dtype
                 module.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load a full checkpoint keyed by Hugging Face names; every parameter must be set."""
+    def load_weights(self, weights: WeightSource | dict[str, torch.Tensor]) -> None:
+        """Load this stage's parameters from a checkpoint keyed by Hugging Face names (a lazy
+        source or a dict of full tensors), each layer reading only its slice; every
+        parameter must be set."""
+        source = as_source(weights)
         modules = dict(self.named_modules())
         loaded: set[tuple[str, str, int]] = set()
-        for hf_name, tensor in weights.items():
+        for hf_name in source.names():
             target = self._resolve(hf_name)
             if target is None:
                 continue
@@ -164,26 +195,55 @@ class LlamaForCausalLM(nn.Module):
             if module_name not in modules:
                 raise ModelLoadError(f"checkpoint tensor {hf_name} has no place in the model")
             try:
-                modules[module_name].load_shard(param_name, tensor, shard)
-            except (ValueError, RuntimeError) as e:
+                modules[module_name].load_shard(param_name, source.get_slice(hf_name), shard)
+            except (ValueError, RuntimeError, KeyError) as e:
                 raise ModelLoadError(f"checkpoint tensor {hf_name}: {e}") from None
             loaded.add(target)
         self._check_complete(modules, loaded)
 
     def _resolve(self, hf_name: str) -> tuple[str, str, int] | None:
+        """(module, parameter, shard) of a checkpoint tensor on this stage; None if the
+        stage does not hold it."""
         if hf_name.endswith("rotary_emb.inv_freq"):
             return None
-        if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
-            return None
+        if hf_name == "lm_head.weight":
+            return None if self.config.tie_word_embeddings else self._on_last("lm_head", "weight")
         name = hf_name.removeprefix("model.")
+        if name == "embed_tokens.weight":
+            if self.is_first_stage:
+                return ("embed_tokens", "weight", 0)
+            # a tied head on a later stage reads the embedding matrix itself
+            tied = self.config.tie_word_embeddings
+            return self._on_last("lm_head", "weight") if tied else None
+        if name == "norm.weight":
+            return self._on_last("norm", "weight")
         match = _NAME.match(name)
         if match is None:
             return (name.rsplit(".", 1)[0], name.rsplit(".", 1)[-1], 0)
         parent, leaf, param = match.groups()
+        parent = self._local_layer(parent)
+        if parent is None:
+            return None
         if leaf in _MERGED:
             merged, shard = _MERGED[leaf]
             return (f"{parent}.{merged}", param, shard)
         return (f"{parent}.{leaf}", param, 0)
+
+    def _on_last(self, module: str, param: str) -> tuple[str, str, int] | None:
+        return (module, param, 0) if self.is_last_stage else None
+
+    def _local_layer(self, parent: str) -> str | None:
+        """`layers.i...` renumbered to this stage's ModuleList; None if layer i is elsewhere."""
+        parts = parent.split(".")
+        if len(parts) < 2 or parts[0] != "layers" or not parts[1].isdigit():
+            return parent
+        index = int(parts[1])
+        start, end = self.layer_range
+        if index >= self.config.num_hidden_layers:
+            return parent  # no such layer in any stage: refused as having no place
+        if not start <= index < end:
+            return None
+        return ".".join(["layers", str(index - start), *parts[2:]])
 
     def _check_complete(
         self, modules: dict[str, nn.Module], loaded: set[tuple[str, str, int]]
@@ -193,9 +253,16 @@ class LlamaForCausalLM(nn.Module):
             module_name, param_name = name.rsplit(".", 1)
             shards = len(getattr(modules[module_name], "output_sizes", [0]))
             missing += [
-                f"{name}[{i}]" if shards > 1 else name
+                f"{self._global_name(name)}[{i}]" if shards > 1 else self._global_name(name)
                 for i in range(shards)
                 if (module_name, param_name, i) not in loaded
             ]
         if missing:
             raise ModelLoadError(f"checkpoint is missing tensors: {', '.join(missing[:5])}")
+
+    def _global_name(self, name: str) -> str:
+        """A parameter's name with the layer numbered as in the checkpoint."""
+        parts = name.split(".")
+        if parts[0] == "layers":
+            parts[1] = str(int(parts[1]) + self.layer_range[0])
+        return ".".join(parts)

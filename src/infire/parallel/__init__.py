@@ -1,47 +1,19 @@
-"""Tensor-parallel process groups: what a layer needs to know to hold and combine its shard.
+"""Tensor and pipeline parallelism: what a layer needs to know to hold and combine its shard,
+and how a model is cut across ranks.
 
-Layers take a TensorParallelGroup; with world size 1 (the only size served until the
-parallel subsystem lands) every collective is the identity, so single-device code pays
-nothing for being TP-ready.
+group.py: TensorParallelGroup, which every TP-aware layer takes (SINGLE: world size 1,
+every collective the identity). layout.py: which heads and layers a rank holds
+(`kv_head_shard`, `layer_ranges`), and `check_parallel`, which refuses at startup a model
+that cannot be cut.
 """
 
-from __future__ import annotations
+from infire.parallel.group import SINGLE, TensorParallelGroup
+from infire.parallel.layout import check_parallel, kv_head_shard, layer_ranges
 
-from dataclasses import dataclass
-from typing import Any
-
-import torch
-import torch.distributed as dist
-
-
-@dataclass(frozen=True, slots=True)
-class TensorParallelGroup:
-    """This rank's place in a tensor-parallel group, and the collectives over it."""
-
-    rank: int = 0
-    world_size: int = 1
-    process_group: Any = None  # torch.distributed.ProcessGroup when world_size > 1
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the group, in place."""
-        if self.world_size > 1:
-            dist.all_reduce(x, group=self.process_group)
-        return x
-
-    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's `x` along its last dimension."""
-        if self.world_size == 1:
-            return x
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.process_group)
-        return torch.cat(parts, dim=-1)
-
-    def shard(self, size: int, name: str = "dimension") -> tuple[int, int]:
-        """(start, length) of this rank's slice of a dimension of `size`."""
-        if size % self.world_size:
-            raise ValueError(f"{name} {size} is not divisible by tp size {self.world_size}")
-        length = size // self.world_size
-        return self.rank * length, length
-
-
-SINGLE = TensorParallelGroup()
+__all__ = [
+    "SINGLE",
+    "TensorParallelGroup",
+    "check_parallel",
+    "kv_head_shard",
+    "layer_ranges",
+]

@@ -206,12 +206,3 @@ def _decode(c: CompressedTensor, dtype: torch.dtype, name: str) -> tuple[np.ndar
         raise UnweightError(f"{name}: sign/mantissa data has the wrong size for {count} weights")
     rest = _unpack_rest(c.arrays["rest"], shift, count, np_uint)
     return ((exponent << shift) | rest).astype(np_uint).view(np.uint8), None
-
-
-def __getattr__(name: str) -> Any:
-    """`save`, `load`, `compress_model`, `verify` from container.py (imported on first use)."""
-    if name in ("save", "load", "compress_model", "verify"):
-        from infire.unweight import container
-
-        return getattr(container, name)
-    raise AttributeError(f"module 'infire.unweight' has no attribute {name!r}")

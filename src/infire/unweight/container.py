@@ -10,11 +10,15 @@ every byte.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
+import struct
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,6 +26,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
+from infire.config import ModelConfig
+from infire.models.checkpoint import open_checkpoint
+from infire.models.hf_export import write_hf_files
+from infire.models.weights import WeightSource
+from infire.tokenizer import Tokenizer
 from infire.unweight import CompressedTensor, UnweightError, compress_tensor, decompress_tensor
 
 WEIGHTS_FILE = "unweight.safetensors"
@@ -72,28 +81,123 @@ def load(folder: Path) -> dict[str, CompressedTensor]:
     path = folder / WEIGHTS_FILE
     try:
         with safe_open(str(path), framework="numpy") as f:
-            header = json.loads((f.metadata() or {}).get(FORMAT, "null"))
-            if not isinstance(header, dict) or header.get("format") != FORMAT:
-                raise UnweightError(f"{path}: not an Unweight weights file (no '{FORMAT}' header)")
-            if header.get("version") != VERSION:
-                raise UnweightError(f"{path}: format version {header.get('version')} is not "
-                                    f"supported (this infire reads {VERSION})")  # fmt: skip
-            stored = set(f.keys())
-            tensors = {}
-            for name, entry in header["tensors"].items():
-                arrays = {}
-                for key, spec in entry["arrays"].items():
-                    if f"{name}::{key}" not in stored:
-                        raise UnweightError(f"{path}: tensor {name}: array {key!r} is missing")
-                    raw = f.get_tensor(f"{name}::{key}")
-                    arrays[key] = raw.view(np.dtype(spec["dtype"])).reshape(spec["shape"])
-                tensors[name] = CompressedTensor(entry["form"], entry["dtype"],
-                                                 tuple(entry["shape"]), entry["sha256"],
-                                                 int(entry["crc32"]), arrays,
-                                                 entry["meta"])  # fmt: skip
+            index = _read_index(f, path)
+            return {name: _compressed(f, name, entry) for name, entry in index.items()}
     except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
         raise UnweightError(f"{path}: cannot read: {type(e).__name__}: {e}") from None
-    return tensors
+
+
+def _read_index(f: Any, path: Path) -> dict[str, dict]:
+    """The header's per-tensor entries, checked: format, version, every array present."""
+    header = json.loads((f.metadata() or {}).get(FORMAT, "null"))
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise UnweightError(f"{path}: not an Unweight weights file (no '{FORMAT}' header)")
+    if header.get("version") != VERSION:
+        raise UnweightError(f"{path}: format version {header.get('version')} is not "
+                            f"supported (this infire reads {VERSION})")  # fmt: skip
+    stored = set(f.keys())
+    for name, entry in header["tensors"].items():
+        for key in entry["arrays"]:
+            if f"{name}::{key}" not in stored:
+                raise UnweightError(f"{path}: tensor {name}: array {key!r} is missing")
+    return header["tensors"]
+
+
+def _data_offsets(path: Path) -> dict[str, tuple[int, int]]:
+    """[begin, end) file offsets of every stored array, from the safetensors header."""
+    with path.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    start = 8 + length
+    return {key: (start + spec["data_offsets"][0], start + spec["data_offsets"][1])
+            for key, spec in header.items() if key != "__metadata__"}  # fmt: skip
+
+
+def _compressed(f: Any, name: str, entry: dict) -> CompressedTensor:
+    """Tensor `name` in compressed form, its arrays read from the open file `f`."""
+    arrays = {}
+    for key, spec in entry["arrays"].items():
+        raw = f.get_tensor(f"{name}::{key}")
+        arrays[key] = raw.view(np.dtype(spec["dtype"])).reshape(spec["shape"])
+    return CompressedTensor(entry["form"], entry["dtype"], tuple(entry["shape"]),
+                            entry["sha256"], int(entry["crc32"]), arrays,
+                            entry["meta"])  # fmt: skip
+
+
+class UnweightSource(WeightSource):
+    """An Unweight folder's tensors, each read and decoded when the model asks for it.
+
+    A tensor's arrays are read with pread at the offsets in the file's header (parsed
+    once), not through a memory map, so only that tensor's compressed arrays and its
+    decoded copy are in memory at once (a rank keeps its slice of the decoded tensor).
+    """
+
+    def __init__(self, folder: Path, dtype: torch.dtype | None) -> None:
+        super().__init__(dtype)
+        self._path = folder / WEIGHTS_FILE
+        try:
+            with safe_open(str(self._path), framework="numpy") as f:
+                self._index = _read_index(f, self._path)
+            self._offsets = _data_offsets(self._path)
+        except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
+            raise UnweightError(f"{self._path}: cannot read: {type(e).__name__}: {e}") from None
+
+    def names(self) -> list[str]:
+        """Tensor names, in header order."""
+        return list(self._index)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The original tensor's shape (from the header)."""
+        return tuple(self._index[name]["shape"])
+
+    def compressed(self, name: str) -> CompressedTensor:
+        """Tensor `name` as stored, not decoded."""
+        entry = self._index[name]
+        arrays = {}
+        try:
+            with self._path.open("rb") as f:
+                for key, spec in entry["arrays"].items():
+                    begin, end = self._offsets[f"{name}::{key}"]
+                    raw = np.empty(end - begin, dtype=np.uint8)
+                    if os.preadv(f.fileno(), [raw], begin) != raw.size:
+                        raise ValueError(f"{name}::{key} is cut short")
+                    arrays[key] = raw.view(np.dtype(spec["dtype"])).reshape(spec["shape"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UnweightError(f"{self._path}: cannot read: {type(e).__name__}: {e}") from None
+        return CompressedTensor(entry["form"], entry["dtype"], tuple(entry["shape"]),
+                                entry["sha256"], int(entry["crc32"]), arrays,
+                                entry["meta"])  # fmt: skip
+
+    def decode(self, name: str, check: str = "crc32") -> torch.Tensor:
+        """The whole original tensor, checked (UnweightError naming it if damaged)."""
+        return decompress_tensor(self.compressed(name), name, check)
+
+    def check(self, progress: bool = False) -> None:
+        """Decode every tensor once and drop it: damage is refused before anything is served."""
+        names = self.names()
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            done = pool.map(lambda n: self.decode(n).numel(), names)
+            for _ in tqdm(done, total=len(names), desc="checking", disable=not progress,
+                          unit="tensor"):  # fmt: skip
+                pass
+
+    def _rows_per_piece(self, name: str) -> int:
+        return self.shape(name)[0] if self.shape(name) else 1  # a tensor decodes as a whole
+
+    def _read(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
+        tensor = self.decode(name)
+        if tensor.dim() == 0 or (start == 0 and length == tensor.shape[dim]):
+            return tensor
+        return tensor.narrow(dim, start, length).contiguous()
+
+
+def open_weights(folder: Path, dtype: torch.dtype | None, check: bool = True) -> UnweightSource:
+    """The folder's weights as a lazy source; with `check`, every tensor is decoded once
+    first (and dropped), so a damaged file is refused when it is opened."""
+    source = UnweightSource(folder, dtype)
+    if check:
+        source.check()
+    return source
 
 
 def decompress_all(
@@ -118,14 +222,11 @@ def compress_model(
     report: Callable[[str], None] | None = None,
 ) -> dict[str, CompressedTensor]:
     """Compress an HF folder or a GGUF (dequantized to BF16) into the folder dst."""
-    from infire.models.hf_export import write_hf_files
-    from infire.models.loader import load_original
-
     if tensors not in TENSOR_SETS:
         raise UnweightError(f"--tensors {tensors!r}: expected one of {', '.join(TENSOR_SETS)}")
     if dst.exists() and any(dst.iterdir()):
         raise UnweightError(f"{dst}: the destination exists and is not empty")
-    config, weights, tokenizer = load_original(src)
+    config, weights, tokenizer = _open_original(src)
     dst.mkdir(parents=True, exist_ok=True)
     if src.is_dir():
         for name in _KEEP:
@@ -134,12 +235,14 @@ def compress_model(
     else:
         write_hf_files(config, tokenizer, dst, "bfloat16")
     compressed = {}
-    for name, weight in tqdm(weights.items(), desc=f"compressing ({form})", disable=not progress,
-                             unit="tensor"):  # fmt: skip
+    original = 0
+    # one original tensor in memory at a time; the compressed ones are kept for `save`
+    for name, weight in tqdm(weights.items(), total=len(weights), desc=f"compressing ({form})",
+                             disable=not progress, unit="tensor"):  # fmt: skip
         compressed[name] = compress_tensor(weight, form if selected(name, tensors) else "raw")
+        original += weight.numel() * weight.element_size()
     save(compressed, dst)
     if report:
-        original = sum(w.numel() * w.element_size() for w in weights.values())
         size = sum(c.nbytes for c in compressed.values())
         report(f"{len(compressed)} tensors: {original / 1e6:.1f} MB -> {size / 1e6:.1f} MB "
                f"({size / original:.4f} of the original)")  # fmt: skip
@@ -149,10 +252,6 @@ def compress_model(
 def verify(dst: Path, against: Path | None = None, progress: bool = True) -> list[str]:
     """Problems found (empty: every tensor decodes to its recorded SHA-256, and, with
     `against`, the recorded SHA-256s are those of the original's tensors)."""
-    import hashlib
-
-    from infire.models.loader import load_original
-
     problems = []
     tensors = load(dst)
     for name, c in tqdm(tensors.items(), desc="verifying", disable=not progress, unit="tensor"):
@@ -161,7 +260,7 @@ def verify(dst: Path, against: Path | None = None, progress: bool = True) -> lis
         except UnweightError as e:
             problems.append(str(e))
     if against is not None:
-        _, weights, _ = load_original(against)
+        _, weights, _ = _open_original(against)
         for name in sorted(set(weights) - set(tensors)):
             problems.append(f"{name}: in {against} but missing from {dst}")
         for name in sorted(set(tensors) - set(weights)):
@@ -171,6 +270,13 @@ def verify(dst: Path, against: Path | None = None, progress: bool = True) -> lis
             if hashlib.sha256(data).hexdigest() != tensors[name].sha256:
                 problems.append(f"{name}: differs from {against}")
     return problems
+
+
+def _open_original(path: Path) -> tuple[ModelConfig, WeightSource, Tokenizer]:
+    """An original (not compressed) model as stored, lazily: a GGUF dequantized to BF16."""
+    if is_unweight_folder(path):
+        raise UnweightError(f"{path}: already an Unweight folder (give the original model)")
+    return open_checkpoint(path, None)
 
 
 def inspect_rows(tensors: dict[str, CompressedTensor]) -> Iterator[dict]:

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from infire.errors import InfireError
-from infire.kernels.build import compile_library
+from infire.native import compile_library
 
 PROB_BITS = 12
 PROB_SCALE = 1 << PROB_BITS  # frequencies sum to this

@@ -1,5 +1,7 @@
 """Compile a C source shipped in the package, once per machine, and load it with ctypes.
 
+Both the fused CPU forward (infire.kernels) and Unweight's rANS codec (infire.unweight)
+build their C this way; it lives outside both so that neither imports the other for it.
 The library lands in infire's cache folder under a name keyed by a hash of the source,
 the compiler and its flags; it is built in a temporary folder and renamed into place, so
 concurrent builders never load half a file. A missing or failing compiler is reported as
