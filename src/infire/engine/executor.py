@@ -21,6 +21,7 @@ import subprocess
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -81,8 +82,10 @@ class RankPlace:
         return (self.pp_size - 1) * self.tp_size
 
 
-def init_rank(parallel: ParallelConfig, rank: int, device: str) -> TensorParallelGroup:
-    """Join the process group as `rank`; this rank's tensor-parallel group."""
+def init_rank(parallel: ParallelConfig, rank: int, device: str) -> tuple[TensorParallelGroup, Any]:
+    """Join the process group as `rank`: this rank's tensor-parallel group, and the group
+    that carries messages (None: the default group; a gloo group beside NCCL, since NCCL
+    moves GPU tensors only)."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if "MASTER_ADDR" in os.environ and "RANK" in os.environ:  # torchrun's rendezvous
         dist.init_process_group(backend, timeout=DIST_TIMEOUT)
@@ -96,43 +99,46 @@ def init_rank(parallel: ParallelConfig, rank: int, device: str) -> TensorParalle
     # Every rank creates every stage's group, in the same order (torch.distributed's rule).
     groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(parallel.pipeline_parallel_size)]  # fmt: skip
     place = RankPlace(rank, tp, parallel.pipeline_parallel_size)
-    return TensorParallelGroup(place.tp_rank, tp, groups[place.stage] if tp > 1 else None)
+    messages = dist.new_group(backend="gloo") if backend == "nccl" else None
+    return TensorParallelGroup(place.tp_rank, tp, groups[place.stage] if tp > 1 else None), messages
 
 
 def build_rank_runner(
     config: EngineConfig, dtype: torch.dtype, rank: int, loaded: LoadedModel | None = None
-) -> tuple[ModelRunner, LoadedModel]:
+) -> tuple[ModelRunner, LoadedModel, Any]:
     """Join the group and load this rank's shard of the model (only its slice is read)
-    and its KV share; the runner, and the model's config, tokenizer and name."""
+    and its KV share; the runner, the model's config, tokenizer and name, and the group
+    messages go through."""
     parallel = config.parallel
     place = RankPlace(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
     loaded = loaded or load_model(config.model, dtype)  # weights are read lazily, below
     check_parallel(loaded.config, place.tp_size, place.pp_size)
-    tp = init_rank(parallel, rank, config.device)
+    tp, messages = init_rank(parallel, rank, config.device)
     stage_range = layer_ranges(loaded.config.num_hidden_layers, place.pp_size)[place.stage]
     runner = ModelRunner(
         loaded.config, loaded.weights, config.cache, dtype, config.device, config.seed,
         config.cpu_kernels, palette=loaded.palette, tp=tp, layer_range=stage_range,
     )  # fmt: skip
-    return runner, loaded
+    return runner, loaded, messages
 
 
 # --- bytes and tensors between ranks --------------------------------------------------------
 
 
-def send_message(message: Message, dst: int, tag: int) -> list:
+def send_message(message: Message, dst: int, tag: int, group: Any = None) -> list:
     """Start sending a message (length, then msgpack bytes); the works to wait on."""
     payload = torch.frombuffer(bytearray(encode(message)), dtype=torch.uint8)
     length = torch.tensor([payload.numel()], dtype=torch.int64)
-    return [dist.isend(length, dst, tag=tag), dist.isend(payload, dst, tag=tag), payload, length]
+    sends = [dist.isend(t, dst, group=group, tag=tag) for t in (length, payload)]
+    return [*sends, payload, length]
 
 
-def recv_message(src: int, tag: int) -> Message:
+def recv_message(src: int, tag: int, group: Any = None) -> Message:
     """Receive one message sent by send_message."""
     length = torch.empty(1, dtype=torch.int64)
-    dist.recv(length, src, tag=tag)
+    dist.recv(length, src, group=group, tag=tag)
     payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    dist.recv(payload, src, tag=tag)
+    dist.recv(payload, src, group=group, tag=tag)
     return decode(payload.numpy().tobytes())
 
 
@@ -214,6 +220,7 @@ class MultiprocExecutor:
         self._released: list[int] = []
         self._step_id = 0
         self._closed = False
+        self._messages: Any = None
         config = _with_port(config)
         set_rank_threads(config.parallel)
         loaded = load_model(config.model, dtype)
@@ -221,7 +228,7 @@ class MultiprocExecutor:
         check_parallel(loaded.config, self.place.tp_size, self.place.pp_size)
         try:
             self.workers = spawn_local_workers(config, dtype, node_rank=0)
-            self.runner, self.loaded = build_rank_runner(config, dtype, 0, loaded)
+            self.runner, self.loaded, self._messages = build_rank_runner(config, dtype, 0, loaded)
         except BaseException:
             self.shutdown()
             raise
@@ -237,7 +244,7 @@ class MultiprocExecutor:
         step = self._step_input(batch)
         flight = _InFlight(self._step_id, [item.seq for item in batch if _samples(item)])
         for rank in range(1, self.world_size):
-            flight.works += send_message(step, rank, TAG_STEP)
+            flight.works += send_message(step, rank, TAG_STEP, self._messages)
         if self.place.pp_size == 1:
             logits = self.runner.run_stage(batch, None)
             flight.result = self.runner.sample(batch, logits)
@@ -251,7 +258,7 @@ class MultiprocExecutor:
         wait_all(flight.works)
         if flight.result is not None:
             return flight.result
-        message = recv_message(self.place.sampling_rank, TAG_SAMPLED)
+        message = recv_message(self.place.sampling_rank, TAG_SAMPLED, self._messages)
         if not isinstance(message, SampledTokens) or message.step_id != flight.step_id:
             raise RuntimeError(f"step {flight.step_id}: the sampling rank answered {message!r}")
         seqs = flight.sampled_seqs
@@ -273,7 +280,7 @@ class MultiprocExecutor:
             try:
                 works = []
                 for rank in range(1, self.world_size):
-                    works += send_message(Shutdown(), rank, TAG_STEP)
+                    works += send_message(Shutdown(), rank, TAG_STEP, self._messages)
                 wait_all(works)
             except RuntimeError:
                 pass  # a worker is already gone

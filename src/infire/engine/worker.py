@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -77,20 +78,20 @@ class SequenceMirror:
         return batch
 
 
-def serve(runner: ModelRunner, place: RankPlace) -> None:
-    """Run steps until rank 0 says Shutdown."""
+def serve(runner: ModelRunner, place: RankPlace, messages: Any = None) -> None:
+    """Run steps until rank 0 says Shutdown (`messages`: the group messages go through)."""
     mirror = SequenceMirror(runner)
     pending: list = []
     hidden_size = runner.config.hidden_size
     while True:
-        message = recv_message(0, TAG_STEP)
+        message = recv_message(0, TAG_STEP, messages)
         if not isinstance(message, StepInput):
             break
         batch = mirror.apply(message)
         hidden = None
         if place.stage > 0:
             num_tokens = sum(item.num_new_tokens for item in batch)
-            hidden = torch.empty(num_tokens, hidden_size, dtype=runner.dtype)
+            hidden = torch.empty(num_tokens, hidden_size, dtype=runner.dtype, device=runner.device)
             dist.recv(hidden, place.rank - place.tp_size, tag=TAG_HIDDEN)
         out = runner.run_stage(batch, hidden)
         wait_all(pending)  # the previous step's sends are through before new ones start
@@ -100,7 +101,8 @@ def serve(runner: ModelRunner, place: RankPlace) -> None:
         elif place.rank == place.sampling_rank:
             output = runner.sample(batch, out).output
             sampled = sampled_message(message.step_id, output) if output else None
-            pending = send_message(sampled or SampledTokens(message.step_id, []), 0, TAG_SAMPLED)
+            sampled = sampled or SampledTokens(message.step_id, [])
+            pending = send_message(sampled, 0, TAG_SAMPLED, messages)
     wait_all(pending)
 
 
@@ -153,9 +155,9 @@ def run_rank(config: EngineConfig, dtype: torch.dtype, rank: int) -> int:
     parallel = config.parallel
     place = RankPlace(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
     try:
-        runner, _ = build_rank_runner(config, dtype, rank)
+        runner, _, messages = build_rank_runner(config, dtype, rank)
         with torch.inference_mode():
-            serve(runner, place)
+            serve(runner, place, messages)
     except RuntimeError as e:  # rank 0 went away (its sockets closed)
         logger.info("rank %d: stopping: %s", rank, str(e).splitlines()[0])
         return 1
