@@ -3,7 +3,8 @@
 Each layout is an `LLM(..., tensor_parallel_size=T, pipeline_parallel_size=P)` in float32
 (rank 0 in this process, the other ranks worker processes, one thread each on 2 cores).
 For each: batch-1 decode (one 32-token prompt, 64 new tokens) and a batch of 16 such
-requests, --rounds times, medians; resident memory of every rank after loading. The
+requests, --rounds times, medians; resident memory of every rank after loading (each
+layout runs in a fresh process, so rank 0's memory is its own). The
 reference is T = P = 1, both with the fused C forward (the default) and on the PyTorch
 path that sharded ranks run. SmolLM2-135M (9 heads, 3 KV heads) splits into 3 tensor
 shards, not 2, so TP=2 runs on a random model of SmolLM2's shape with 8 heads and 4 KV
@@ -19,6 +20,7 @@ import dataclasses
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -105,7 +107,11 @@ def measure(model: str | None, tp: int, pp: int, fused: bool, rounds: int) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a layout, in its own process
     args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(*json.loads(args.one))))
+        return
     RESULTS.mkdir(exist_ok=True)
     eight = str(eight_head_model())
     layouts = [
@@ -116,7 +122,10 @@ def main() -> None:
     ]  # fmt: skip
     rows = []
     for name, model, tp, pp, fused in layouts:
-        row = {"model": name, **measure(model, tp, pp, fused, args.rounds)}
+        spec = json.dumps([model, tp, pp, fused, args.rounds])
+        run = subprocess.run([sys.executable, __file__, "--one", spec], check=True,
+                             capture_output=True, text=True)  # fmt: skip
+        row = {"model": name, **json.loads(run.stdout.strip().splitlines()[-1])}
         print(json.dumps(row), flush=True)
         rows.append(row)
     (RESULTS / "parallel.json").write_text(json.dumps(rows, indent=1))
@@ -148,7 +157,8 @@ def plot(rows: list[dict], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['model'].split(',')[0][:12]}\n{r['tp']}x{r['pp']}"
+    short = {"SmolLM2-135M": "SmolLM2", "SmolLM2 shape, 8 heads": "8-head"}
+    labels = [f"{short.get(r['model'], r['model'])}\n{r['tp']}x{r['pp']}"
               f"{' fused' if r['fused'] else ''}" for r in rows]  # fmt: skip
     fig, (speed, memory) = plt.subplots(1, 2, figsize=(13, 4.5))
     x = range(len(rows))

@@ -77,7 +77,9 @@ def test_smollm2_pipeline_and_tensor_parallel(smollm2_path: Path):
 
     reference = run(1, 1)
     assert run(1, 2) == reference
-    assert run(3, 1) == reference  # 9 heads and 3 KV heads: 3 shards of 3 and 1
+    # 9 heads and 3 KV heads: 3 shards of 3 heads and 1 KV head each (TP=2 is refused)
+    assert run(3, 1) == reference
+    assert run(3, 2) == reference
 
 
 def _child_pids() -> set[int]:
