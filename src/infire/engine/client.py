@@ -287,16 +287,22 @@ class MPEngineClient(EngineClient):
 
     def _run(self) -> None:
         """Receive outputs; notice within a tenth of a second when the core process ends."""
-        while not self._stopping:
-            if self._inbox.poll(100):
-                message = decode(self._inbox.recv())
-                if isinstance(message, StepOutputs):
-                    self._deliver(message)
-                continue
-            code = self.process.poll()
-            if code is not None and not self._stopping:
-                self._die(f"the engine-core process (pid {self.process.pid}) exited with {code}")
-                return
+        try:
+            while not self._stopping:
+                if self._inbox.poll(100):
+                    message = decode(self._inbox.recv())
+                    if isinstance(message, StepOutputs):
+                        self._deliver(message)
+                    continue
+                code = self.process.poll()
+                if code is not None and not self._stopping:
+                    pid = self.process.pid
+                    self._die(f"the engine-core process (pid {pid}) exited with {code}")
+                    return
+        except Exception as e:  # a broken message must fail the streams, not strand them
+            if not self._stopping:
+                self._die(f"engine-core messages failed: {e!r}")
+                self.process.kill()
 
 
 def _wait_ready(process: subprocess.Popen, inbox: object, timeout: float | None) -> ModelInfo:
