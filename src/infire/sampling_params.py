@@ -65,6 +65,11 @@ class SamplingParams:
             f"must be > 0, got {self.repetition_penalty}",
         )
         _require(
+            self.seed is None or -(2**63) <= self.seed < 2**63,
+            "seed",
+            f"must fit in 64 bits (-2**63 <= seed < 2**63), got {self.seed}",
+        )
+        _require(
             self.max_tokens is None or self.max_tokens >= 1,
             "max_tokens",
             f"must be at least 1, got {self.max_tokens}",

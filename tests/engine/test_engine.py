@@ -148,6 +148,8 @@ def test_bad_requests_raise_and_engine_keeps_serving(tiny_llama: Path):
         SamplingParams(top_p=0)
     with pytest.raises(InvalidRequestError, match="top_p"):
         SamplingParams(top_p=1.5)
+    with pytest.raises(InvalidRequestError, match="seed: must fit in 64 bits"):
+        SamplingParams(seed=2**64 - 1, n=2)  # would overflow the generator: the engine stays up
     with pytest.raises(InvalidRequestError, match="empty"):
         engine.add_request("empty", [], _params(False, 0))
     with pytest.raises(InvalidRequestError, match="already in use"):

@@ -126,7 +126,8 @@ class EngineClient:
                 yield item
         finally:
             if not finished and self._dead is None:
-                self._send(AbortRequest(request.request_id))
+                with contextlib.suppress(EngineDeadError):
+                    self._send(AbortRequest(request.request_id))
             with self._lock:
                 self._streams.pop(request.request_id, None)
 
@@ -158,18 +159,22 @@ class EngineClient:
                 loop, stream = target
                 loop.call_soon_threadsafe(stream.put_nowait, delta)
 
-    def _die(self, reason: str) -> None:
-        """The core is gone: fail every open stream now, refuse new requests."""
+    def _die(self, reason: str, died: bool = True) -> None:
+        """The core is gone (or shut down): fail every open stream now, refuse new requests;
+        on a death, tell the on_dead callbacks."""
         if self._dead is not None:
             return
         self._dead = reason
-        logger.error("engine core died: %s", reason)
-        for callback in self._on_dead:
-            callback(reason)
+        if died:
+            logger.error("engine core died: %s", reason)
+            for callback in self._on_dead:
+                callback(reason)
         with self._lock:
             streams = list(self._streams.values())
         for loop, stream in streams:
-            loop.call_soon_threadsafe(stream.put_nowait, EngineDeadError(f"engine died: {reason}"))
+            error = EngineDeadError(f"engine {'died' if died else 'stopped'}: {reason}")
+            with contextlib.suppress(RuntimeError):  # that stream's event loop is closed
+                loop.call_soon_threadsafe(stream.put_nowait, error)
 
 
 class InprocEngineClient(EngineClient):
@@ -190,10 +195,13 @@ class InprocEngineClient(EngineClient):
         return cls(LLMEngine(config))
 
     def shutdown(self) -> None:
-        """Stop the engine thread and the engine's worker ranks."""
+        """Stop the engine thread, then the engine's worker ranks; open streams end with
+        EngineDeadError."""
         self._commands.put(Shutdown())
         self._thread.join(timeout=10)
-        self.engine.shutdown()
+        self._die("the engine was shut down", died=False)
+        if not self._thread.is_alive():  # never under a step still running
+            self.engine.shutdown()
 
     def _send(self, message: Message) -> None:
         self._commands.put(message)
@@ -275,15 +283,34 @@ class MPEngineClient(EngineClient):
             return
         self._stopping = True
         if self._dead is None and self.process.poll() is None:
-            self._send(Shutdown())
+            with contextlib.suppress(EngineDeadError):
+                self._send(Shutdown())
+        self._die("the engine was shut down", died=False)
         stop_processes([self.process])
         self._thread.join(timeout=5)
         self._context.destroy(linger=0)
         shutil.rmtree(self._folder, ignore_errors=True)
 
     def _send(self, message: Message) -> None:
+        """Send to the core; a core that is gone raises EngineDeadError instead of blocking
+        (a PUSH socket without its peer would wait forever)."""
+        import zmq
+
+        data = encode(message)
         with self._send_lock:
-            self._outbox.send(encode(message))
+            while True:
+                try:
+                    self._outbox.send(data, flags=zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    code = self.process.poll()
+                    if code is not None:
+                        reason = (
+                            f"the engine-core process (pid {self.process.pid}) exited with {code}"
+                        )
+                        self._die(reason)
+                        raise EngineDeadError(f"engine died: {reason}") from None
+                    time.sleep(0.001)  # the core is alive and behind: its queue is full
 
     def _run(self) -> None:
         """Receive outputs; notice within a tenth of a second when the core process ends."""

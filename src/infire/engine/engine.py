@@ -171,12 +171,18 @@ class LLMEngine:
         self.executor.release([seq.seq_id])
 
     def shutdown(self) -> None:
-        """Stop the worker ranks, if any (idempotent)."""
+        """Stop the worker ranks, if any (idempotent); micro-batches in flight are drained
+        first, so that no rank is left waiting to hand over its tokens."""
+        try:
+            while self._in_flight:
+                self.executor.wait(self._in_flight.popleft()[1])
+        except RuntimeError:
+            pass  # a rank is gone: nothing to drain
         self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request is waiting or running."""
-        return bool(self.requests)
+        """True while any request is waiting or running (or a micro-batch is in flight)."""
+        return bool(self.requests or self._in_flight)
 
     def stats_snapshot(self) -> EngineStats:
         """Queues, KV use and counters now."""
@@ -196,11 +202,12 @@ class LLMEngine:
         while len(self._in_flight) < self.executor.pipeline_depth:
             busy = frozenset(i.seq.seq_id for b, _ in self._in_flight for i in b.scheduled)
             batch = self.scheduler.schedule(busy)
+            self.executor.preempted(batch.preempted)
             if not batch.scheduled:
                 if self._in_flight and not (batch.finished or batch.preempted):
                     break
                 return self._deltas(self._update(batch, StepResult([], None)))
-            handle = self.executor.submit(batch.scheduled, batch.preempted)
+            handle = self.executor.submit(batch.scheduled)
             self._in_flight.append((batch, handle))
         batch, handle = self._in_flight.popleft()
         return self._deltas(self._update(batch, self.executor.wait(handle)))
@@ -244,7 +251,8 @@ class LLMEngine:
             if seq.finished:
                 self._finish(seq)
             changed[seq.request_id] = None
-        for seq in batch.finished:
+        for seq in batch.finished:  # could never fit the pool
+            self.executor.release([seq.seq_id])
             changed[seq.request_id] = None
         return changed
 

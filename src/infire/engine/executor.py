@@ -14,6 +14,7 @@ later stage computes one batch the earlier stages already compute the next.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -113,6 +114,11 @@ def build_rank_runner(
     place = RankPlace(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
     loaded = loaded or load_model(config.model, dtype)  # weights are read lazily, below
     check_parallel(loaded.config, place.tp_size, place.pp_size)
+    device = config.device
+    if device == "cuda":  # one GPU per local rank
+        device = f"cuda:{rank % (parallel.world_size // parallel.nnodes)}"
+        torch.cuda.set_device(device)
+    config = dataclasses.replace(config, device=device)
     tp, messages = init_rank(parallel, rank, config.device)
     stage_range = layer_ranges(loaded.config.num_hidden_layers, place.pp_size)[place.stage]
     runner = ModelRunner(
@@ -174,9 +180,12 @@ class UniprocExecutor:
         self.num_blocks = runner.num_blocks
         self.fused_status = runner.fused_status
 
-    def submit(self, batch: list[ScheduledSequence], preempted: list[Sequence]) -> StepResult:
+    def submit(self, batch: list[ScheduledSequence]) -> StepResult:
         """Run the batch now."""
         return self.runner.execute(batch) if batch else StepResult([], None)
+
+    def preempted(self, seqs: list[Sequence]) -> None:
+        """Nothing to tell: the runner reads the sequences themselves."""
 
     def wait(self, handle: StepResult) -> StepResult:
         """The submitted batch's result."""
@@ -235,12 +244,15 @@ class MultiprocExecutor:
         self.num_blocks = self.runner.num_blocks
         self.fused_status = self.runner.fused_status
 
-    def submit(self, batch: list[ScheduledSequence], preempted: list[Sequence]) -> _InFlight:
-        """Send the step to every rank, run stage 0 here, and pass its output on."""
-        self._step_id += 1
-        for seq in preempted:
+    def preempted(self, seqs: list[Sequence]) -> None:
+        """These sequences lost their blocks: their next step resends the whole table."""
+        for seq in seqs:
             if seq.seq_id in self._sent:
                 self._sent[seq.seq_id].num_blocks = 0
+
+    def submit(self, batch: list[ScheduledSequence]) -> _InFlight:
+        """Send the step to every rank, run stage 0 here, and pass its output on."""
+        self._step_id += 1
         step = self._step_input(batch)
         flight = _InFlight(self._step_id, [item.seq for item in batch if _samples(item)])
         for rank in range(1, self.world_size):

@@ -78,11 +78,11 @@ class Scheduler:
                 continue
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
-                victim = next(
-                    (v for v in reversed(self.running) if v.seq_id not in in_flight), None
-                )
-                if victim is None:
-                    return 0  # only in-flight sequences hold blocks: wait for them
+                victim = self.running[-1]
+                if victim.seq_id in in_flight:
+                    # The newest holds blocks but is in flight: wait for it rather than
+                    # preempt an older sequence (which would then take turns with it).
+                    return 0
                 self._preempt(victim, out)
                 if victim is seq:
                     break
