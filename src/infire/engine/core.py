@@ -92,7 +92,7 @@ def _fields(obj: object) -> dict:
     return {name: getattr(obj, name) for name in obj.__dataclass_fields__}
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     """Exit as soon as the process that started us is gone, however it ended.
 
     (Not PR_SET_PDEATHSIG: it fires when the parent *thread* that spawned us ends, and
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="EngineConfig as JSON")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front, which stops us
-    _die_with_parent(args.parent_pid)
+    die_with_parent(args.parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)

@@ -15,8 +15,6 @@ import logging
 import os
 import signal
 import sys
-import threading
-import time
 from typing import Any
 
 import torch
@@ -121,18 +119,9 @@ def run_node_ranks(config: EngineConfig) -> int:
     return max(codes, default=0)
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.2)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="infire-parent-watch", daemon=True).start()
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of a worker rank."""
-    from infire.engine.core import config_from_json
+    from infire.engine.core import config_from_json, die_with_parent
 
     parser = argparse.ArgumentParser(prog="infire-worker")
     parser.add_argument("--rank", type=int, required=True)
@@ -142,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0's process decides when we stop
     if args.parent_pid:
-        _die_with_parent(args.parent_pid)
+        die_with_parent(args.parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config = config_from_json(args.config)
     return run_rank(config, resolve_dtype(args.dtype, config.device), args.rank)
