@@ -31,6 +31,35 @@ def byte_level_tokenizer() -> HFTokenizer:
     return tok
 
 
+# Tiny configs of the families beyond Llama (transformers' model_type -> overrides of the
+# common tiny config): 2-4 layers, MoE with 4-8 experts and top-2, windows short enough
+# that a test prompt outgrows them.
+FAMILY_CONFIGS: dict[str, dict[str, object]] = {
+    "qwen3": dict(head_dim=16),
+    "qwen3_moe": dict(
+        head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], num_hidden_layers=3,
+    ),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2),
+    "gemma3_text": dict(
+        head_dim=16, num_hidden_layers=4, sliding_window=8, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                     "full_attention"],
+    ),
+    "deepseek_v3": dict(
+        num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=32, q_lora_rank=48,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_key_value_heads=4,
+    ),
+    "llama4_text": dict(
+        num_hidden_layers=4, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        intermediate_size=48, intermediate_size_mlp=96, interleave_moe_layer_step=2,
+        attention_chunk_size=8, no_rope_layers=[1, 1, 1, 0], use_qk_norm=True,
+    ),
+}  # fmt: skip
+
+
 def write_tiny_model(
     folder: Path,
     model_type: str = "llama",
@@ -58,15 +87,11 @@ def write_tiny_model(
         eos_token_id=eos,
         tie_word_embeddings=False,
     )
+    common.update(FAMILY_CONFIGS.get(model_type, {}))
     common.update(overrides)
-    if model_type == "qwen2":
-        config = transformers.Qwen2Config(**common)
-        model_cls = transformers.Qwen2ForCausalLM
-    else:
-        config = transformers.LlamaConfig(**common)
-        model_cls = transformers.LlamaForCausalLM
+    config = transformers.AutoConfig.for_model(model_type, **common)
     torch.manual_seed(seed)
-    model = model_cls(config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # random init is near zero; widen it so logits really differ
         for param in model.parameters():
             if param.dim() > 1:

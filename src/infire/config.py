@@ -10,22 +10,34 @@ from dataclasses import dataclass, field
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
-
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
-    """Llama 3 style RoPE frequency scaling (rope_type "llama3"); None means plain RoPE."""
+    """RoPE frequency scaling, as transformers' rope_type names it: "llama3" (Llama 3.x,
+    Llama 4), "linear" (positions divided by factor: Gemma 3's global layers) or "yarn"
+    (DeepSeek-V3, Kimi K2); None in a config means plain RoPE."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    kind: str = "llama3"
+    beta_fast: float = 32.0  # yarn's
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("llama3", "linear", "yarn"):
+            raise ValueError(f"rope scaling {self.kind!r} is not supported (llama3, linear, yarn)")
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Hyper-parameters of a decoder-only Llama-family model."""
+    """Hyper-parameters every decoder-only family has; a family with more subclasses it
+    (models/registry.py says which class `architecture` names)."""
 
     architecture: str
     vocab_size: int
@@ -45,8 +57,6 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {self.architecture!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
 

@@ -73,6 +73,7 @@ class LLMEngine:
             runner = ModelRunner(
                 loaded.config, loaded.weights, config.cache, self.dtype, config.device,
                 config.seed, config.cpu_kernels, palette=loaded.palette,
+                scheduler_config=config.scheduler,
             )  # fmt: skip
             self.executor = UniprocExecutor(runner)
         self.runner = self.executor.runner  # rank 0's
@@ -82,9 +83,11 @@ class LLMEngine:
         del loaded
         context = self.model_config.max_position_embeddings
         self.max_model_len = min(config.scheduler.max_model_len or context, context)
+        runner = self.runner
         self.block_manager = BlockManager(
-            self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
-        )
+            runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+            list(zip(runner.windows, runner.group_num_blocks[1:], strict=True)),
+        )  # fmt: skip
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.requests: dict[str, list[Sequence]] = {}
         self.stats = StepCounters()

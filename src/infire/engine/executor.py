@@ -124,6 +124,7 @@ def build_rank_runner(
     runner = ModelRunner(
         loaded.config, loaded.weights, config.cache, dtype, config.device, config.seed,
         config.cpu_kernels, palette=loaded.palette, tp=tp, layer_range=stage_range,
+        scheduler_config=config.scheduler,
     )  # fmt: skip
     return runner, loaded, messages
 
@@ -313,6 +314,7 @@ class MultiprocExecutor:
             items.append(ScheduledItem(
                 seq.seq_id, seq.num_computed_tokens, entry.num_new_tokens,
                 seq.token_ids[sent.num_tokens :], table_start, seq.block_table[table_start:],
+                [table[table_start:] for table in seq.window_block_tables],
             ))  # fmt: skip
             sent.num_tokens, sent.num_blocks = len(seq.token_ids), len(seq.block_table)
         finished, self._released = self._released, []

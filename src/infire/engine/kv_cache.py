@@ -8,6 +8,12 @@ the disaggregation balancer) computes the same key. SHA-256 makes a collision, w
 would silently serve another prompt's KV, out of reach, so keys are trusted without
 comparing tokens. Blocks nobody references stay cached until evicted, least recently
 freed first.
+
+A model with windowed attention layers (layers/kv_spec.py) has one more pool per window:
+a sequence holds a block table in each, growing with the main one, and the blocks that
+fall out of the window are freed as it grows, so those pools are bounded by the window.
+Prefix caching is off for such models: a cached prefix would also need its last window
+of blocks kept in every windowed pool.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import struct
 from collections import OrderedDict
 
 from infire.engine.request import Sequence
+from infire.layers.kv_spec import AttentionWindow
 
 
 def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:
@@ -38,11 +45,16 @@ class BlockManager:
     """Allocates fixed-size KV blocks to sequences, with prefix caching."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        windows: list[tuple[AttentionWindow, int]] | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.windows = [WindowPool(window, blocks) for window, blocks in windows or []]
+        self.enable_prefix_caching = enable_prefix_caching and not self.windows
         self.ref_counts = [0] * num_blocks
         self.hash_of_block: dict[int, bytes] = {}
         self.block_of_hash: dict[bytes, int] = {}
@@ -86,16 +98,30 @@ class BlockManager:
         return len(seq.block_table) * self.block_size
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        """Grow seq's block table to hold `num_tokens`; False (and no change) if the pool is short."""
+        """Grow seq's block tables to hold `num_tokens`; False (and no change but freed
+        out-of-window blocks) if a pool is short."""
         needed = self.blocks_needed(num_tokens) - len(seq.block_table)
+        if self.windows:
+            if not seq.window_block_tables:
+                seq.window_block_tables = [[] for _ in self.windows]
+            first = seq.num_computed_tokens  # the first token this step computes
+            for pool, table in zip(self.windows, seq.window_block_tables, strict=True):
+                pool.free_out_of_window(table, first, self.block_size)
+                if needed > len(pool.free_blocks):
+                    return False
         if needed > self.num_free_blocks:
             return False
         for _ in range(needed):
             seq.block_table.append(self._take_free_block())
+        for pool, table in zip(self.windows, seq.window_block_tables, strict=True):
+            table += [pool.free_blocks.pop() for _ in range(needed)]
         return True
 
     def free(self, seq: Sequence) -> None:
         """Release every block of seq; cached blocks stay reusable until evicted."""
+        for pool, table in zip(self.windows, seq.window_block_tables, strict=True):
+            pool.free_blocks += [block for block in reversed(table) if block >= 0]
+        seq.window_block_tables = []
         # Tail blocks first, so that they are evicted before the shared prefix.
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1
@@ -137,3 +163,27 @@ class BlockManager:
             del self.block_of_hash[key]
         self.ref_counts[block] = 1
         return block
+
+
+class WindowPool:
+    """The blocks of one windowed KV group: no sharing, no caching, only a free list."""
+
+    def __init__(self, window: AttentionWindow, num_blocks: int) -> None:
+        self.window = window
+        self.num_blocks = num_blocks
+        self.free_blocks = list(range(num_blocks - 1, -1, -1))  # pop() takes block 0 first
+
+    def free_out_of_window(self, table: list[int], first_token: int, block_size: int) -> None:
+        """Free the table's blocks wholly before the window of token `first_token` (-1 marks
+        a freed entry; they form a prefix, so the scan stops at the first one)."""
+        end = self.window.first_visible(first_token) // block_size
+        for i in range(min(end, len(table)) - 1, -1, -1):
+            if table[i] < 0:
+                break
+            self.free_blocks.append(table[i])
+            table[i] = -1
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by sequences."""
+        return self.num_blocks - len(self.free_blocks)

@@ -142,8 +142,9 @@ class ScheduledItem:
     num_computed_tokens: int  # where this step starts
     num_new_tokens: int  # tokens computed this step
     new_token_ids: list[int]  # appended to the sequence since the last step it was in
-    block_table_start: int  # the worker's table is cut here (0 after preemption) ...
+    block_table_start: int  # the worker's tables are cut here (0 after preemption) ...
     new_block_ids: list[int]  # ... and these appended
+    new_window_block_ids: list[list[int]] = field(default_factory=list)  # per windowed group
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,9 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     block_table: list[int] = field(default_factory=list)
+    # one per windowed KV group, entry i for the same tokens as block_table[i]; blocks
+    # that fell out of the window are freed and read -1 (the engine core's tables only)
+    window_block_tables: list[list[int]] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # keys of full, computed blocks
     text: str = ""
     num_emitted_chars: int = 0  # text that may be handed out (stop strings are held back)

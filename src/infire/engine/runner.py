@@ -1,9 +1,12 @@
 """ModelRunner: turns a scheduled batch into tensors, runs one forward, samples.
 
-It owns the model and the KV block pool tensor ([layers, 2, blocks, block_size, kv_heads,
-head_dim], allocated once from the memory budget). Each step it flattens the batch
-(token ids, positions, slot mapping, block tables), builds the attention layout once for
-all layers, computes logits only for sequences whose prompt is complete, and samples.
+It owns the model (the class the registry names for its architecture) and the KV block
+pool: one tensor per local layer, shaped by the layer's attention (K and V planes of
+[blocks, block_size, kv_heads, head_dim], or MLA's one latent plane), allocated once from
+the memory budget, each KV group (layers/kv_spec.py) with its own number of blocks. Each
+step it flattens the batch (token ids, positions, slot mappings, block tables), builds
+the attention layout once per KV group for all its layers, computes logits only for
+sequences whose prompt is complete, and samples.
 """
 
 from __future__ import annotations
@@ -13,16 +16,17 @@ from dataclasses import dataclass
 
 import torch
 
-from infire.config import CacheConfig, ModelConfig
+from infire.config import CacheConfig, ModelConfig, SchedulerConfig
 from infire.engine.request import Sequence
 from infire.engine.sampling_state import SamplingState
 from infire.engine.scheduler import ScheduledSequence
 from infire.errors import ModelLoadError
 from infire.kernels import CpuForward
 from infire.layers.attention import AttentionMetadata, DecodeGroup, PrefillGroup
+from infire.layers.kv_spec import AttentionWindow
 from infire.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
-from infire.models.llama import LlamaForCausalLM
-from infire.parallel import SINGLE, TensorParallelGroup, kv_head_shard
+from infire.models.registry import family_named
+from infire.parallel import SINGLE, TensorParallelGroup
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,35 +53,43 @@ class ModelRunner:
         *,
         tp: TensorParallelGroup = SINGLE,
         layer_range: tuple[int, int] | None = None,
+        scheduler_config: SchedulerConfig | None = None,
     ) -> None:
         """Build this rank's part of the model (its tp slice of the layers in `layer_range`,
         all of them by default), load it from `weights` (a lazy WeightSource or a dict) and
-        allocate its share of the KV pool."""
+        allocate its share of the KV pool (windowed groups sized for `scheduler_config`'s
+        batch limits)."""
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = cache_config.block_size
         self.tp = tp
+        model_class = family_named(config.architecture).model_class
         with torch.device(self.device):
-            self.model = LlamaForCausalLM(config, tp, layer_range).to(dtype)
+            self.model = model_class(config, tp, layer_range).to(dtype)
         self.model.load_weights(weights)
         self.model.eval()
+        self.kv_spec = self.model.kv_spec
+        self.windows: tuple[AttentionWindow, ...] = self.kv_spec.windows
         # Every rank sizes the pool from the whole model's KV, so all agree on num_blocks
         # (one block manager serves them all); each allocates only its layers and KV heads.
-        self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(cache_config)
-        start, end = self.model.layer_range
-        local_kv_heads = kv_head_shard(config.num_key_value_heads, tp)[1]
-        self.kv_cache = torch.zeros(
-            end - start, 2, self.num_blocks, self.block_size,
-            local_kv_heads, config.head_dim, dtype=dtype, device=self.device,
-        )  # fmt: skip
+        self.group_num_blocks = self._blocks_per_group(
+            cache_config, scheduler_config or SchedulerConfig()
+        )
+        self.num_blocks = self.group_num_blocks[0]
+        self.kv_caches, pools = self._allocate_pool()
+        # One pool for every layer (a Llama-shaped model): the fused forward's [layers, ...]
+        self.kv_cache: torch.Tensor | None = pools[0] if len(pools) == 1 else None
         # The fused CPU forward, where it applies, tiles its own copy of the weights, so it
         # is built before oneDNN packing replaces them.
         self.fused: CpuForward | None = None
         self.fused_status = "disabled"
+        start, end = self.model.layer_range
         sharded = tp.world_size > 1 or (end - start) < config.num_hidden_layers
         if cpu_kernels and sharded:
             self.fused_status = "unavailable: tensor/pipeline parallel ranks use the PyTorch path"
+        elif cpu_kernels and not model_class.supports_fused_cpu:
+            self.fused_status = f"unavailable: {config.architecture} runs the PyTorch path"
         elif cpu_kernels:
             built = CpuForward.build(self.model, self.kv_cache, dtype, palette)
             self.fused = built if isinstance(built, CpuForward) else None
@@ -93,18 +105,52 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(seed))
         self.sampling_state = SamplingState(config.vocab_size, self.device)
 
-    def _blocks_for_budget(self, cache_config: CacheConfig) -> int:
-        per_block = (
-            2 * self.config.num_hidden_layers * self.block_size
-            * self.config.num_key_value_heads * self.config.head_dim * self.dtype.itemsize
-        )  # fmt: skip
-        num_blocks = cache_config.kv_cache_memory // per_block
-        if num_blocks < 1:
+    def _allocate_pool(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """One KV tensor per local layer, and the pools they are views of: the layers with
+        one shape share a [layers, ...] tensor."""
+        shapes = self.model.cache_shapes(self.group_num_blocks, self.block_size)
+        caches: list[torch.Tensor] = [torch.empty(0)] * len(shapes)
+        pools = []
+        for shape in dict.fromkeys(shapes):
+            same = [i for i, s in enumerate(shapes) if s == shape]
+            pools.append(torch.zeros(len(same), *shape, dtype=self.dtype, device=self.device))
+            for i, view in zip(same, pools[-1], strict=True):
+                caches[i] = view
+        return caches, pools
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """What a token of context costs in the whole model's KV (the full-attention
+        layers'; windowed layers hold at most their window)."""
+        return self.kv_spec.bytes_per_token(self.dtype)
+
+    def _blocks_per_group(self, cache: CacheConfig, limits: SchedulerConfig) -> list[int]:
+        """Blocks of each KV group. A windowed group needs at most a window (plus a chunk)
+        per running sequence; the full-attention group gets the rest of the budget."""
+        groups = self.kv_spec.groups
+        if cache.num_blocks:
+            return [cache.num_blocks] * len(groups)
+        itemsize, bs = self.dtype.itemsize, self.block_size
+        per_block = [g.elements_per_token * bs * itemsize for g in groups]
+        caps = [
+            limits.max_num_seqs * g.window.max_blocks(limits.max_num_batched_tokens, bs)
+            for g in groups[1:]
+        ]  # fmt: skip
+        budget = cache.kv_cache_memory
+        full = (budget - sum(c * b for c, b in zip(caps, per_block[1:], strict=True))) // max(
+            per_block[0], 1
+        )
+        if full < max(caps, default=0):  # too small to cap the windows: share evenly
+            full = budget // max(sum(per_block), 1)
+            caps = [full] * len(caps)
+        if not per_block[0]:  # no full-attention layer: its tables still count blocks
+            full = max(caps, default=1)
+        if full < 1:
             raise ModelLoadError(
-                f"--kv-cache-memory {cache_config.kv_cache_memory} bytes is less than one "
-                f"KV block ({per_block} bytes)"
+                f"--kv-cache-memory {cache.kv_cache_memory} bytes is less than one "
+                f"KV block ({sum(per_block)} bytes)"
             )
-        return num_blocks
+        return [int(full), *(int(min(c, full) if per_block[0] else c) for c in caps)]
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSequence]) -> StepResult:
@@ -145,7 +191,7 @@ class ModelRunner:
         the tensor-parallel group). `hidden` comes from the previous stage (None on the
         first)."""
         input_ids, positions, meta = self._prepare_inputs(batch)
-        out = self.model(input_ids if hidden is None else hidden, positions, self.kv_cache, meta)
+        out = self.model(input_ids if hidden is None else hidden, positions, self.kv_caches, meta)
         if not self.model.is_last_stage:
             return out
         rows = _last_rows(batch)
@@ -189,64 +235,115 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         tokens, positions, slots = self._flatten(batch)
         meta = AttentionMetadata(slot_mapping=_longs(slots, self.device))
-        self._group_attention(batch, meta)
+        self._group_attention(batch, meta, None)
+        windowed = []
+        for index, window in enumerate(self.windows):
+            tables = [item.seq.window_block_tables[index] for item in batch]
+            group = AttentionMetadata(slot_mapping=self._slots(batch, tables))
+            self._group_attention(batch, group, window, tables)
+            windowed.append(group)
+        meta.windows = tuple(windowed)
         return _longs(tokens, self.device), _longs(positions, self.device), meta
 
-    def _group_attention(self, batch: list[ScheduledSequence], meta: AttentionMetadata) -> None:
+    def _slots(self, batch: list[ScheduledSequence], tables: list[list[int]]) -> torch.Tensor:
+        """Pool slots of the batch's new tokens through other block tables (a windowed group's)."""
+        bs, slots = self.block_size, []
+        for item, table in zip(batch, tables, strict=True):
+            start = item.seq.num_computed_tokens
+            slots += [
+                table[p // bs] * bs + p % bs for p in range(start, start + item.num_new_tokens)
+            ]
+        return _longs(slots, self.device)
+
+    def _group_attention(
+        self,
+        batch: list[ScheduledSequence],
+        meta: AttentionMetadata,
+        window: AttentionWindow | None,
+        tables: list[list[int]] | None = None,
+    ) -> None:
+        tables = tables or [item.seq.block_table for item in batch]
         decode, prefill = [], []
         offset = 0
-        for item in batch:
-            row = (item, offset)
+        for item, table in zip(batch, tables, strict=True):
+            row = (item, offset, table)
             offset += item.num_new_tokens
             if item.num_new_tokens == 1:
                 decode.append(row)
             elif item.seq.num_computed_tokens == 0 and meta.fresh is None:
-                meta.fresh = slice(row[1], row[1] + item.num_new_tokens)
+                meta.fresh = slice(offset - item.num_new_tokens, offset)
+                if window is not None:
+                    q = torch.arange(item.num_new_tokens, device=self.device)
+                    first = window.first_visible_tensor(q)
+                    meta.fresh_mask = (q.view(1, -1) <= q.view(-1, 1)) & (
+                        q.view(1, -1) >= first.view(-1, 1)
+                    )
             else:
                 prefill.append(row)
         if decode:
-            meta.decode = self._decode_group(decode)
+            meta.decode = self._decode_group(decode, window)
             meta.only_decode = len(decode) == len(batch)
         if prefill:
-            meta.prefill = self._prefill_group(prefill)
+            meta.prefill = self._prefill_group(prefill, window)
 
-    def _block_tables(self, rows: list[tuple[ScheduledSequence, int]]) -> torch.Tensor:
-        width = max(len(item.seq.block_table) for item, _ in rows)
-        tables = [
-            item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item, _ in rows
-        ]
-        return torch.tensor(tables, dtype=torch.long, device=self.device)
+    def _block_tables(
+        self, rows: list[tuple[ScheduledSequence, int, list[int]]], window: AttentionWindow | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Padded block tables of the rows (from the first block in the window, if any),
+        and the absolute position of every key slot they cover [B, blocks * block_size]."""
+        bs = self.block_size
+        firsts = [
+            window.first_visible(item.seq.num_computed_tokens) // bs if window else 0
+            for item, _, _ in rows
+        ]  # fmt: skip
+        cut = [table[first:] for (_, _, table), first in zip(rows, firsts, strict=True)]
+        width = max(len(table) for table in cut)
+        padded = [table + [0] * (width - len(table)) for table in cut]
+        tables = torch.tensor(padded, dtype=torch.long, device=self.device)
+        key_pos = torch.arange(width * bs, device=self.device).unsqueeze(0)
+        if window is not None:
+            key_pos = key_pos + torch.tensor(firsts, device=self.device).unsqueeze(1) * bs
+        return tables, key_pos
 
-    def _decode_group(self, rows: list[tuple[ScheduledSequence, int]]) -> DecodeGroup:
-        tables = self._block_tables(rows)
-        context = torch.tensor(
-            [item.seq.num_computed_tokens + 1 for item, _ in rows], device=self.device
+    def _decode_group(
+        self, rows: list[tuple[ScheduledSequence, int, list[int]]], window: AttentionWindow | None
+    ) -> DecodeGroup:
+        tables, key_pos = self._block_tables(rows, window)
+        query = torch.tensor(
+            [item.seq.num_computed_tokens for item, _, _ in rows], device=self.device
+        ).unsqueeze(1)
+        mask = key_pos <= query
+        if window is not None:
+            mask &= key_pos >= window.first_visible_tensor(query)
+        index = torch.tensor([offset for _, offset, _ in rows], device=self.device)
+        return DecodeGroup(
+            token_index=index, block_tables=tables, mask=mask.view(len(rows), 1, 1, -1)
         )
-        key_pos = torch.arange(tables.shape[1] * self.block_size, device=self.device)
-        mask = (key_pos.unsqueeze(0) < context.unsqueeze(1)).view(len(rows), 1, 1, -1)
-        index = torch.tensor([offset for _, offset in rows], device=self.device)
-        return DecodeGroup(token_index=index, block_tables=tables, mask=mask)
 
-    def _prefill_group(self, rows: list[tuple[ScheduledSequence, int]]) -> PrefillGroup:
-        tables = self._block_tables(rows)
-        max_q = max(item.num_new_tokens for item, _ in rows)
+    def _prefill_group(
+        self, rows: list[tuple[ScheduledSequence, int, list[int]]], window: AttentionWindow | None
+    ) -> PrefillGroup:
+        tables, key_pos = self._block_tables(rows, window)
+        max_q = max(item.num_new_tokens for item, _, _ in rows)
         gather, valid, token_index, query_pos = [], [], [], []
-        for b, (item, offset) in enumerate(rows):
+        for b, (item, offset, _) in enumerate(rows):
             n, start = item.num_new_tokens, item.seq.num_computed_tokens
             gather += list(range(offset, offset + n)) + [offset] * (max_q - n)
             valid += range(b * max_q, b * max_q + n)
             token_index += range(offset, offset + n)
             # Padding queries sit at the last real position, so every row attends somewhere.
             query_pos.append(list(range(start, start + n)) + [start + n - 1] * (max_q - n))
-        key_pos = torch.arange(tables.shape[1] * self.block_size, device=self.device)
-        q_pos = torch.tensor(query_pos, device=self.device)
-        mask = (key_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)).unsqueeze(1)
+        q_pos = torch.tensor(query_pos, device=self.device).unsqueeze(-1)  # [B, max_q, 1]
+        keys = key_pos.unsqueeze(1)  # [B, 1, K]
+        mask = keys <= q_pos
+        if window is not None:
+            mask &= keys >= window.first_visible_tensor(q_pos)
         return PrefillGroup(
             gather_index=_longs(gather, self.device),
             valid_index=_longs(valid, self.device),
             token_index=_longs(token_index, self.device),
             block_tables=tables,
-            mask=mask,
+            mask=mask.unsqueeze(1),
             max_q=max_q,
         )
 

@@ -71,6 +71,13 @@ class SequenceMirror:
             seq.token_ids += item.new_token_ids
             del seq.block_table[item.block_table_start :]
             seq.block_table += item.new_block_ids
+            if item.new_window_block_ids and not seq.window_block_tables:
+                seq.window_block_tables = [[] for _ in item.new_window_block_ids]
+            for table, new_ids in zip(
+                seq.window_block_tables, item.new_window_block_ids, strict=True
+            ):
+                del table[item.block_table_start :]
+                table += new_ids
             seq.num_computed_tokens = item.num_computed_tokens
             batch.append(ScheduledSequence(seq, item.num_new_tokens))
         return batch

@@ -2,18 +2,23 @@
 
 Every step's tokens arrive as one flat [T, heads, head_dim] tensor. New keys/values are
 written into the block pool at `slot_mapping`; queries then attend to their sequence's
-whole context, read back from the pool through its block table. Sequences are grouped so
-each layer runs at most three batched SDPA calls, never a Python loop over sequences:
+context, read back from the pool through its block table. Sequences are grouped so each
+layer runs at most three batched SDPA calls, never a Python loop over sequences:
 - fresh: one sequence's first prefill chunk with no cached context (plain causal SDPA on
   the new keys, no pool read);
 - decode: every sequence with one new token, batched with a key-padding mask;
 - prefill: other prefill chunks (chunked or prefix-cached), padded to the longest chunk.
 Grouped-query attention goes through SDPA's enable_gqa, so keys/values are never repeated.
+
+Layers of a windowed KV group (layers/kv_spec.py) get metadata whose block tables start
+at the first block in the window and whose masks also hide keys before it. Multi-head
+latent attention stores one "key" per token (the compressed latent and its RoPE part) and
+reads its values as the first `latent_values` features of that key.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -42,52 +47,82 @@ class PrefillGroup:
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """Per-step layout of the flat batch, built once by the runner and shared by all layers."""
+    """Per-step layout of the flat batch for one KV group, built once by the runner and
+    shared by all of its layers; `windows` holds the windowed groups' (1, 2, ...)."""
 
     slot_mapping: torch.Tensor  # [T] pool slot of each new token
     fresh: slice | None = None  # rows of a single no-context prefill, if any
+    fresh_mask: torch.Tensor | None = None  # [n, n] where a window cuts the causal mask
     decode: DecodeGroup | None = None
     prefill: PrefillGroup | None = None
     only_decode: bool = False  # every row decodes, in order: skip the scatter
+    windows: tuple[AttentionMetadata, ...] = field(default_factory=tuple)
+
+    def group(self, index: int) -> AttentionMetadata:
+        """The metadata of KV group `index` (0: this one)."""
+        return self if index == 0 else self.windows[index - 1]
 
 
 class PagedAttention:
     """Attention of one layer against its slice of the KV block pool."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float | None = None,
+        latent_values: int | None = None,
+    ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.head_dim = head_dim  # of queries and keys
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.latent_values = latent_values  # MLA: values are keys[..., :latent_values]
+
+    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """This layer's slice of the pool: [2 (K, V) or 1 (latent), blocks, bs, heads, dim]."""
+        planes = 1 if self.latent_values else 2
+        return (planes, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
     def __call__(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
-        v: torch.Tensor,
+        v: torch.Tensor | None,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D], kv_cache [2, blocks, block_size, KVH, D] -> [T, H*D]."""
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        """q [T, H, D], k/v [T, KVH, D] (v None for latent attention), kv_cache from
+        cache_shape -> [T, H * value dim]."""
+        k_cache = kv_cache[0]
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        if self.latent_values:
+            v_cache = k_cache[..., : self.latent_values]
+            v = k[..., : self.latent_values]
+        else:
+            v_cache = kv_cache[1]
+            v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
         if meta.only_decode:
-            return self._decode(q, k_cache, v_cache, meta.decode).view(q.shape[0], -1)
-        out = torch.empty_like(q)
+            return self._decode(q, k_cache, v_cache, meta.decode).reshape(q.shape[0], -1)
+        out = q.new_empty(q.shape[0], self.num_heads, v.shape[-1])
         if meta.fresh is not None:
-            out[meta.fresh] = self._fresh(q[meta.fresh], k[meta.fresh], v[meta.fresh])
+            rows = meta.fresh
+            out[rows] = self._fresh(q[rows], k[rows], v[rows], meta.fresh_mask)
         if meta.decode is not None:
             out[meta.decode.token_index] = self._decode(q, k_cache, v_cache, meta.decode)
         if meta.prefill is not None:
             out[meta.prefill.token_index] = self._prefill(q, k_cache, v_cache, meta.prefill)
         return out.view(q.shape[0], -1)
 
-    def _fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _fresh(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
         o = F.scaled_dot_product_attention(
-            qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=True
-        )
+            qh, kh, vh, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+            enable_gqa=True,
+        )  # fmt: skip
         return o[0].transpose(0, 1)
 
     def _decode(
@@ -111,13 +146,11 @@ class PagedAttention:
         o = F.scaled_dot_product_attention(
             qh, keys, values, attn_mask=group.mask, scale=self.scale, enable_gqa=True
         )
-        return o.transpose(1, 2).reshape(b * max_q, self.num_heads, self.head_dim)[
-            group.valid_index
-        ]
+        return o.transpose(1, 2).reshape(b * max_q, self.num_heads, -1)[group.valid_index]
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """[blocks, bs, KVH, D] pool + [B, nb] tables -> [B, KVH, nb*bs, D] contiguous context."""
     b, nb = block_tables.shape
     blocks = cache[block_tables]  # [B, nb, bs, KVH, D]
-    return blocks.view(b, nb * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
+    return blocks.reshape(b, nb * cache.shape[1], cache.shape[2], -1).transpose(1, 2)

@@ -1,4 +1,10 @@
-"""RMSNorm, computed in float32 and cast back, as the Llama reference does."""
+"""RMS norms, computed in float32 and cast back, as each family's reference does.
+
+RMSNorm is Llama's (weight times the cast-back normed input); GemmaRMSNorm stores its
+weight as an offset from one and multiplies in float32 before the cast; a norm over the
+last dimension also serves per-head q/k norms (Qwen3, Gemma 3) on [T, heads, head_dim];
+`rms_normalize` is the weightless one (Llama 4's QK norm).
+"""
 
 from __future__ import annotations
 
@@ -36,3 +42,18 @@ class RMSNorm(nn.Module):
             raise ValueError(f"{name}: expected shape {list(self.weight.shape)}, got "
                              f"{list(loaded.shape)}")  # fmt: skip
         loaded.read_into(self.weight.data)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """x / rms(x) * (1 + weight), all in float32 (Gemma's checkpoints store weight - 1)."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if residual is not None:
+            raise NotImplementedError("GemmaRMSNorm has no fused residual")
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dimension, no weight (in float32, cast back)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)

@@ -1,7 +1,11 @@
-"""Rotary position embedding (rotate-half convention) with optional Llama 3 frequency scaling.
+"""Rotary position embedding, with the frequency scalings the supported families use.
 
-cos/sin are precomputed once for every position up to the context length; a forward
-gathers the rows of this step's positions, so no trigonometry runs per token.
+Two pairings: rotate-half (x_i with x_{i + D/2}: Llama, Qwen, Gemma) and interleaved
+(x_{2i} with x_{2i+1}: Llama 4, DeepSeek-V3's decoupled RoPE part). Scalings: Llama 3's
+per-frequency smoothing, linear (Gemma 3's global layers) and YaRN (DeepSeek-V3, Kimi
+K2), whose attention factor multiplies cos and sin. cos/sin are precomputed once for
+every position up to the context length; a forward gathers the rows of this step's
+positions, so no trigonometry runs per token.
 """
 
 from __future__ import annotations
@@ -15,10 +19,14 @@ from infire.config import RopeScaling
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """RoPE inverse frequencies, Llama-3-scaled when `scaling` is set."""
+    """RoPE inverse frequencies, scaled as `scaling` says."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    if scaling.kind == "yarn":
+        return _yarn_frequencies(head_dim, theta, scaling)
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -31,26 +39,85 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     return torch.where(medium, smoothed, scaled)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `factor` times."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def attention_factor(scaling: RopeScaling | None) -> float:
+    """What a scaling multiplies cos and sin by (1 but for YaRN)."""
+    if scaling is None or scaling.kind != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    if scaling.mscale and scaling.mscale_all_dim:
+        return yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(
+            scaling.factor, scaling.mscale_all_dim
+        )
+    return yarn_mscale(scaling.factor)
+
+
+def _yarn_frequencies(dim: int, base: float, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN: extrapolated high frequencies, interpolated low ones, a linear ramp between."""
+    original = scaling.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    return (1.0 / (scaling.factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
+
+
 class RotaryEmbedding(nn.Module):
     """Precomputed RoPE cos/sin tables for every position up to the context length."""
 
     def __init__(
-        self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: RopeScaling | None,
+        interleaved: bool = False,
     ) -> None:
         super().__init__()
+        self.interleaved = interleaved
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        emb = freqs.repeat_interleave(2, -1) if interleaved else torch.cat((freqs, freqs), -1)
+        factor = attention_factor(scaling)
+        self.register_buffer("cos", emb.cos() * factor, persistent=False)
+        self.register_buffer("sin", emb.sin() * factor, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[2, T, 1, D] cos and sin rows of this step's positions, computed once per step."""
         return torch.stack((self.cos[positions], self.sin[positions])).to(dtype).unsqueeze(2)
+
+    def rotate(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] rotated with this embedding's pairing."""
+        if self.interleaved:
+            return apply_rotary_interleaved(x, cos_sin)
+        return apply_rotary(x, cos_sin)
 
 
 def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     """RoPE on x [T, heads, D] (q and k heads together) with cos/sin from cos_sin()."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos_sin[0] + rotated * cos_sin[1]
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on adjacent pairs (x_{2i}, x_{2i+1}) of x [T, heads, D]."""
+    pairs = x.unflatten(-1, (-1, 2))
+    rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
     return x * cos_sin[0] + rotated * cos_sin[1]

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from infire.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from infire.config import ModelConfig, RopeScaling
 from infire.errors import ModelLoadError, UnsupportedModelError
 from infire.models.weights import SafetensorsSource, WeightSource
 from infire.tokenizer import Tokenizer
@@ -77,16 +77,14 @@ def read_hf_config(folder: Path) -> ModelConfig:
 
 def config_from_hf(raw: dict[str, Any], generation: dict[str, Any], where: Path) -> ModelConfig:
     """ModelConfig from an HF config.json (and generation_config.json for extra EOS ids)."""
-    arch = raw.get("model_type", "")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"{where}: model_type {arch!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+    from infire.models.registry import family_of_hf
+
+    family = family_of_hf(raw, where)
+    arch = family.architecture
     try:
         heads = raw["num_attention_heads"]
         hidden = raw["hidden_size"]
-        return ModelConfig(
+        return family.model_class.config_class(
             architecture=arch,
             vocab_size=raw["vocab_size"],
             hidden_size=hidden,
@@ -103,6 +101,7 @@ def config_from_hf(raw: dict[str, Any], generation: dict[str, Any], where: Path)
             attention_bias=raw.get("attention_bias", arch == "qwen2"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids(raw.get("eos_token_id"), generation.get("eos_token_id")),
+            **family.model_class.hf_config_fields(raw),
         )
     except KeyError as e:
         raise ModelLoadError(f"{where}/config.json: missing field {e.args[0]!r}") from None
@@ -116,19 +115,43 @@ def _rope_theta(raw: dict[str, Any]) -> float:
 
 
 def _rope_scaling(raw: dict[str, Any], where: Path) -> RopeScaling | None:
-    scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
+    return rope_scaling_from(raw.get("rope_scaling") or raw.get("rope_parameters"), where)
+
+
+def rope_scaling_from(scaling: dict[str, Any] | None, where: object) -> RopeScaling | None:
+    """A config's RoPE scaling dict (rope_scaling / rope_parameters) as a RopeScaling;
+    None for plain RoPE."""
     if not scaling:
         return None
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
         return None
-    if kind != "llama3":
-        raise UnsupportedModelError(f"{where}: rope scaling {kind!r} is not supported (llama3 is)")
-    return RopeScaling(
-        factor=scaling["factor"],
-        low_freq_factor=scaling["low_freq_factor"],
-        high_freq_factor=scaling["high_freq_factor"],
-        original_max_position_embeddings=scaling["original_max_position_embeddings"],
+    try:
+        if kind == "linear":
+            return RopeScaling(factor=float(scaling["factor"]), kind="linear")
+        if kind == "yarn":
+            return RopeScaling(
+                factor=float(scaling["factor"]),
+                original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+                kind="yarn",
+                beta_fast=float(scaling.get("beta_fast") or 32),
+                beta_slow=float(scaling.get("beta_slow") or 1),
+                mscale=scaling.get("mscale"),
+                mscale_all_dim=scaling.get("mscale_all_dim"),
+                attention_factor=scaling.get("attention_factor"),
+                truncate=scaling.get("truncate", True),
+            )
+        if kind == "llama3":
+            return RopeScaling(
+                factor=scaling["factor"],
+                low_freq_factor=scaling["low_freq_factor"],
+                high_freq_factor=scaling["high_freq_factor"],
+                original_max_position_embeddings=scaling["original_max_position_embeddings"],
+            )
+    except KeyError as e:
+        raise ModelLoadError(f"{where}: rope scaling {kind!r} lacks {e.args[0]!r}") from None
+    raise UnsupportedModelError(
+        f"{where}: rope scaling {kind!r} is not supported (llama3, linear, yarn are)"
     )
 
 

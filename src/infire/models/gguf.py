@@ -26,7 +26,7 @@ from gguf.gguf_reader import ReaderField, ReaderTensor
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
-from infire.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from infire.config import ModelConfig, RopeScaling
 from infire.errors import ModelLoadError, UnsupportedModelError
 from infire.models.weights import WeightSource
 from infire.tokenizer import Tokenizer
@@ -50,6 +50,15 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",
+}
+# Experts stacked in one [experts, out, in] tensor: served as one tensor per expert.
+_EXPERT_TENSORS = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
 }
 _UNBLOCKED = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
 _ROPE_FREQS = "rope_freqs.weight"  # Llama 3 RoPE scaling, folded into ModelConfig.rope_scaling
@@ -78,21 +87,19 @@ _NFC_PRE = ("qwen2", "deepseek-r1-qwen")  # Qwen2's tokenizer.json normalizes to
 
 
 def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, GGUFSource, Tokenizer]:
-    """Open a llama / qwen2 / mistral GGUF file: its config, HF-named weights (read lazily,
+    """Open a GGUF file of a supported family: its config, HF-named weights (read lazily,
     as `dtype`) and tokenizer."""
+    from infire.models.registry import family_of_gguf
+
     path = Path(path)
     reader, metadata = _open(path)
     file_arch = metadata.get("general.architecture")
     if not isinstance(file_arch, str):
         raise ModelLoadError(f"{path}: GGUF metadata has no general.architecture")
-    if file_arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"{path}: GGUF architecture {file_arch!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+    family = family_of_gguf(file_arch, metadata, path)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
-    config = _model_config(metadata, tensors, file_arch, path)
-    weights = GGUFSource(reader, tensors, config, file_arch, dtype, path)
+    config = _model_config(metadata, tensors, file_arch, family, path)
+    weights = GGUFSource(reader, tensors, config, file_arch, dtype, path, family.model_class)
     tokenizer = _load_tokenizer(metadata, config.eos_token_ids, path)
     return config, weights, tokenizer
 
@@ -159,7 +166,11 @@ def _text(raw: np.ndarray) -> str:
 
 
 def _model_config(
-    metadata: dict[str, Any], tensors: dict[str, ReaderTensor], file_arch: str, path: Path
+    metadata: dict[str, Any],
+    tensors: dict[str, ReaderTensor],
+    file_arch: str,
+    family: Any,
+    path: Path,
 ) -> ModelConfig:
     def required(key: str) -> Any:
         value = metadata.get(f"{file_arch}.{key}")
@@ -186,9 +197,14 @@ def _model_config(
         metadata.get(f"tokenizer.ggml.{key}")
         for key in ("eos_token_id", "eot_token_id", "eom_token_id")
     ]
+    model_class = family.model_class
     try:
-        return ModelConfig(
-            architecture=_served_architecture(file_arch, metadata),
+        extra = model_class.gguf_config_fields(metadata, file_arch)
+    except KeyError as e:
+        raise ModelLoadError(f"{path}: GGUF metadata has no {e.args[0]}") from None
+    try:
+        return model_class.config_class(
+            architecture=_served_architecture(family.architecture, metadata),
             # The embedding's row count is what the logits are sized by; it equals the token
             # count of tokenizer.ggml.tokens except in vocabularies padded for alignment.
             vocab_size=int(tensors["token_embd.weight"].shape[-1]),
@@ -206,15 +222,16 @@ def _model_config(
             attention_bias="blk.0.attn_q.bias" in tensors,
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if i is not None)),
+            **extra,
         )
     except ValueError as e:
         raise ModelLoadError(f"{path}: inconsistent GGUF metadata: {e}") from None
 
 
-def _served_architecture(file_arch: str, metadata: dict[str, Any]) -> str:
+def _served_architecture(architecture: str, metadata: dict[str, Any]) -> str:
     # llama.cpp writes Mistral models as "llama"; like transformers, tell them apart by name.
     name = str(metadata.get("general.name", "")).lower()
-    return "mistral" if file_arch == "llama" and "mistral" in name else file_arch
+    return "mistral" if architecture == "llama" and "mistral" in name else architecture
 
 
 def _scalar(value: Any, key: str, path: Path) -> int:
@@ -319,6 +336,7 @@ class GGUFSource(WeightSource):
         file_arch: str,
         dtype: torch.dtype,
         path: Path,
+        model_class: Any = None,
     ) -> None:
         super().__init__(dtype)
         # Only the tensors' views of the memory map are kept, not the reader: its parsed
@@ -327,9 +345,13 @@ class GGUFSource(WeightSource):
         self._config = config
         self._permuted = file_arch in _PERMUTED_QK_ARCHITECTURES
         self._path = path
-        hf_names = {name: _hf_name(name, config.num_hidden_layers, path) for name in tensors}
-        _check_complete(set(hf_names.values()), config, path)
-        self._tensors = {hf: tensors[name] for name, hf in hf_names.items() if hf is not None}
+        self._transform = getattr(model_class, "gguf_tensor_transform", None)
+        extra = getattr(model_class, "gguf_tensor_names", {})
+        self._tensors: dict[str, ReaderTensor] = {}
+        for name, tensor in tensors.items():
+            for hf, expert in _hf_names(name, tensor, config.num_hidden_layers, extra, path):
+                self._tensors[hf] = tensor if expert is None else _expert_view(tensor, expert)
+        _check_complete(set(self._tensors), path)
         for tensor in self._tensors.values():
             _dequantize(tensor, path, 0, 1)  # refuse types we cannot dequantize now, not later
 
@@ -366,7 +388,7 @@ class GGUFSource(WeightSource):
                 part if dim == 0 else part.narrow(1, start, length)
             )
         self._release(tensor)
-        return out
+        return out if self._transform is None else self._transform(name, out)
 
     def _rows_per_piece(self, name: str) -> int:
         rows = super()._rows_per_piece(name)
@@ -403,30 +425,53 @@ def _torch_shape(tensor: ReaderTensor) -> tuple[int, ...]:
     return tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
 
 
-def _hf_name(name: str, num_layers: int, path: Path) -> str | None:
-    """Hugging Face name of GGUF tensor `name`; None for tensors folded into the config."""
+def _hf_names(
+    name: str, tensor: ReaderTensor, num_layers: int, extra: dict[str, str], path: Path
+) -> list[tuple[str, int | None]]:
+    """Hugging Face names of GGUF tensor `name` (one per expert for stacked experts, with
+    the expert index; none for tensors folded into the config)."""
     if name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[name]
+        return [(_GLOBAL_TENSORS[name], None)]
     if name == _ROPE_FREQS:
-        return None
+        return []
     parts = name.split(".")
     if (
         len(parts) == 4
         and parts[0] == "blk"
         and parts[1].isdigit()
         and int(parts[1]) < num_layers
-        and parts[2] in _LAYER_TENSORS
         and parts[3] in ("weight", "bias")
     ):
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
-    raise UnsupportedModelError(f"{path}: unexpected tensor {name!r} for a Llama-family model")
+        layer = f"model.layers.{parts[1]}"
+        if parts[2] in extra:
+            return [(f"{layer}.{extra[parts[2]]}.{parts[3]}", None)]
+        if parts[2] in _LAYER_TENSORS:
+            return [(f"{layer}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}", None)]
+        if parts[2] in _EXPERT_TENSORS and len(tensor.shape) == 3:
+            leaf = _EXPERT_TENSORS[parts[2]]
+            experts = int(tensor.shape[-1])
+            return [(f"{layer}.mlp.experts.{e}.{leaf}.weight", e) for e in range(experts)]
+    raise UnsupportedModelError(f"{path}: unexpected tensor {name!r} for this architecture")
 
 
-def _check_complete(present: set[str | None], config: ModelConfig, path: Path) -> None:
-    expected = {"model.embed_tokens.weight", "model.norm.weight"}
-    for layer in range(config.num_hidden_layers):
-        expected.update(f"model.layers.{layer}.{hf}.weight" for hf in _LAYER_TENSORS.values())
-    missing = sorted(expected - present)
+def _expert_view(tensor: ReaderTensor, expert: int) -> ReaderTensor:
+    """Expert `expert`'s [out, in] matrix of a stacked [experts, out, in] tensor."""
+    experts = int(tensor.shape[-1])
+    n_bytes = tensor.n_bytes // experts
+    return tensor._replace(
+        name=f"{tensor.name}[{expert}]",
+        shape=tensor.shape[:-1],
+        n_elements=tensor.n_elements // experts,
+        n_bytes=n_bytes,
+        data_offset=tensor.data_offset + expert * n_bytes,
+        data=tensor.data[expert],
+    )
+
+
+def _check_complete(present: set[str], path: Path) -> None:
+    # The model checks every tensor it needs when it loads; these two say at once whether
+    # this is a model file at all.
+    missing = sorted({"model.embed_tokens.weight", "model.norm.weight"} - present)
     if missing:
         raise ModelLoadError(f"{path}: GGUF file lacks {len(missing)} tensors, e.g. {missing[:3]}")
 

@@ -1,0 +1,170 @@
+"""Mixture of experts: routing rules and the routed experts' grouped matmuls.
+
+Each family routes its own way (`softmax_topk`: Mixtral, Qwen3-MoE; `grouped_topk`:
+DeepSeek-V3 / Kimi K2; `sigmoid_topk`: Llama 4) into the same (expert ids, weights) per
+token. `FusedMoE` then sorts the step's (token, expert) pairs by expert and runs one
+gate/up and one down matmul per expert that has tokens, never a loop over tokens; the
+weighted outputs are summed back per token with one index_add.
+
+Tensor parallelism splits every expert's intermediate features across ranks, as for a
+dense MLP: each rank holds a slice of all experts and the partial sums are all-reduced.
+Expert parallelism (whole experts per rank) would need an all-to-all of tokens and
+balances only as well as the router does; splitting the features keeps every rank's
+work identical whatever the routing, which is what a CPU or a single-host group wants.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infire.layers.mlp import gated_activation
+from infire.parallel import SINGLE, TensorParallelGroup
+
+if TYPE_CHECKING:
+    from infire.models.weights import LazyTensor
+
+ALL_SHARDS = -1  # load_shard's index for a tensor that holds every expert at once
+
+
+def softmax_topk(
+    logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixtral / Qwen3-MoE: softmax over all experts (float32), keep the top k, optionally
+    renormalized to sum to one. (weights [T, k] float32, ids [T, k])."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def grouped_topk(
+    logits: torch.Tensor,
+    top_k: int,
+    correction_bias: torch.Tensor,
+    num_groups: int,
+    topk_groups: int,
+    renormalize: bool,
+    scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3: sigmoid scores; experts are chosen (with a per-expert bias) only within
+    the `topk_groups` groups whose two best biased scores sum highest; the unbiased scores
+    of the chosen are the weights, optionally renormalized, times `scaling_factor`."""
+    scores = logits.float().sigmoid()
+    choice = scores + correction_bias.float()
+    tokens, experts = choice.shape
+    grouped = choice.view(tokens, num_groups, experts // num_groups)
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    best_groups = group_scores.topk(topk_groups, dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores).scatter_(1, best_groups, 1.0).bool()
+    expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(tokens, experts)
+    ids = choice.masked_fill(~expert_mask, 0.0).topk(top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling_factor, ids
+
+
+def sigmoid_topk(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama 4: the top k logits, each squashed by a sigmoid (no normalization)."""
+    values, ids = torch.topk(logits, top_k, dim=-1)
+    return torch.sigmoid(values.float()), ids
+
+
+class FusedMoE(nn.Module):
+    """`num_experts` gated MLPs with stacked weights: w13 [E, 2 I, H] (gate rows, then up
+    rows) and w2 [E, H, I], I being this rank's slice of the intermediate features."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        tp: TensorParallelGroup = SINGLE,
+        activation: str = "silu",
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_experts = num_experts
+        self.activation = activation
+        self.full_intermediate = intermediate_size
+        self.start, self.size = tp.shard(intermediate_size, "moe intermediate size")
+        self.w13 = nn.Parameter(
+            torch.empty(num_experts, 2 * self.size, hidden_size), requires_grad=False
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(num_experts, hidden_size, self.size), requires_grad=False
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        expert_ids: torch.Tensor,
+        weights: torch.Tensor | None,
+        reduce: bool = True,
+    ) -> torch.Tensor:
+        """sum over each token's k experts of weight * expert(x); x [T, H], expert_ids and
+        weights [T, k]. weights None: the caller scaled the input already (Llama 4)."""
+        top_k = expert_ids.shape[1]
+        flat = expert_ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token_of = order // top_k
+        inputs = x[token_of]
+        outputs = torch.empty_like(inputs)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                rows = slice(start, start + count)
+                hidden = gated_activation(F.linear(inputs[rows], self.w13[expert]), self.activation)
+                outputs[rows] = F.linear(hidden, self.w2[expert])
+                start += count
+        if weights is not None:
+            outputs = outputs * weights.flatten()[order].unsqueeze(1).to(outputs.dtype)
+        out = torch.zeros_like(x).index_add_(0, token_of, outputs)
+        return self.tp.all_reduce(out) if reduce else out
+
+    def shard_count(self, name: str) -> int:
+        """How many loads make up parameter `name` (one per expert and projection)."""
+        return 2 * self.num_experts if name == "w13" else self.num_experts
+
+    def load_shard(self, name: str, loaded: LazyTensor, shard_index: int = 0) -> None:
+        """Read this rank's slice of one expert's projection (w13: shard 2e is expert e's
+        gate [I, H], 2e + 1 its up; w2: shard e its down [H, I]), or with ALL_SHARDS
+        a stacked tensor of every expert ("gate_up" [E, H, 2I] and "down" [E, I, H], the
+        transposed layout Llama 4 checkpoints use)."""
+        hidden = self.w13.shape[2]
+        if shard_index == ALL_SHARDS:
+            self._load_stacked(name, loaded)
+        elif name == "w13":
+            _expect(loaded, (self.full_intermediate, hidden))
+            expert, part = divmod(shard_index, 2)
+            target = self.w13.data[expert, part * self.size : (part + 1) * self.size]
+            loaded.read_into(target, 0, self.start, self.size)
+        elif name == "w2":
+            _expect(loaded, (hidden, self.full_intermediate))
+            loaded.read_into(self.w2.data[shard_index], 1, self.start, self.size)
+        else:
+            raise KeyError(f"experts have no {name}")
+
+    def _load_stacked(self, name: str, loaded: LazyTensor) -> None:
+        experts, hidden, inter = self.num_experts, self.w13.shape[2], self.full_intermediate
+        if name == "w13":
+            _expect(loaded, (experts, hidden, 2 * inter))
+            for part in range(2):
+                values = loaded.read(2, part * inter + self.start, self.size)
+                self.w13.data[:, part * self.size : (part + 1) * self.size] = values.transpose(1, 2)
+        elif name == "w2":
+            _expect(loaded, (experts, inter, hidden))
+            self.w2.data.copy_(loaded.read(1, self.start, self.size).transpose(1, 2))
+        else:
+            raise KeyError(f"experts have no {name}")
+
+
+def _expect(loaded: LazyTensor, shape: tuple[int, ...]) -> None:
+    if tuple(loaded.shape) != shape:
+        raise ValueError(f"expected shape {list(shape)}, got {list(loaded.shape)}")

@@ -1,0 +1,94 @@
+"""Mixtral: the Llama block whose MLP is a sparse mixture of experts.
+
+Each token's router logits pick its top-k experts (of `num_local_experts`, k =
+`num_experts_per_tok`, 2 in Mixtral 8x7B); their softmax weights, renormalized over the
+chosen k, weigh the experts' SwiGLU outputs. Checkpoints name the router
+`block_sparse_moe.gate` and expert e's projections `experts.{e}.w1` (gate), `w3` (up)
+and `w2` (down).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from infire.config import ModelConfig
+from infire.layers.linear import ColumnParallelLinear
+from infire.layers.moe import FusedMoE, softmax_topk
+from infire.layers.self_attention import SelfAttention
+from infire.models.base import CausalLM
+from infire.models.llama import LlamaDecoderLayer
+from infire.parallel import TensorParallelGroup
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig(ModelConfig):
+    """A model whose MLPs are (some or all) top-k routed experts."""
+
+    num_experts: int = 0
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 0  # each expert's; 0: intermediate_size
+    norm_topk_prob: bool = True  # renormalize the chosen experts' weights
+    sparse_layers: tuple[int, ...] = ()  # layers whose MLP is the MoE; the rest are dense
+
+    def __post_init__(self) -> None:
+        ModelConfig.__post_init__(self)
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok {self.num_experts_per_tok} of {self.num_experts} experts"
+            )
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (replicated: every rank routes the same way) + softmax top-k experts."""
+
+    def __init__(self, config: MoEConfig, tp: TensorParallelGroup) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        self.gate = ColumnParallelLinear(config.hidden_size, [config.num_experts])
+        size = config.moe_intermediate_size or config.intermediate_size
+        self.experts = FusedMoE(config.num_experts, config.hidden_size, size, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = softmax_topk(self.gate(x), self.top_k, self.renormalize)
+        return self.experts(x, ids, weights.to(x.dtype))
+
+
+class MixtralForCausalLM(CausalLM):
+    """Mixtral 8x7B / 8x22B and other Llama-with-experts models."""
+
+    config_class: ClassVar[type[ModelConfig]] = MoEConfig
+    checkpoint_renames: ClassVar[dict[str, str]] = {".block_sparse_moe.": ".mlp."}
+
+    @classmethod
+    def hf_config_fields(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        """Mixtral's expert counts; every layer is sparse."""
+        return {
+            "num_experts": raw["num_local_experts"],
+            "num_experts_per_tok": raw["num_experts_per_tok"],
+            "norm_topk_prob": True,
+            "sparse_layers": tuple(range(raw["num_hidden_layers"])),
+        }
+
+    @classmethod
+    def gguf_config_fields(cls, metadata: dict[str, Any], prefix: str) -> dict[str, Any]:
+        """The same from llama.cpp's `llama.expert_*` keys."""
+        return {
+            "num_experts": int(metadata[f"{prefix}.expert_count"]),
+            "num_experts_per_tok": int(metadata[f"{prefix}.expert_used_count"]),
+            "norm_topk_prob": True,
+            "sparse_layers": tuple(range(int(metadata[f"{prefix}.block_count"]))),
+        }
+
+    def make_layer(self, index: int) -> nn.Module:
+        """A Llama block with the sparse MoE as its MLP."""
+        c = self.config
+        attention = SelfAttention(
+            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, self.tp,
+            bias=c.attention_bias,
+        )  # fmt: skip
+        return LlamaDecoderLayer(c, attention, SparseMoeBlock(c, self.tp))
