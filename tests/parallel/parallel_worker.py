@@ -65,6 +65,7 @@ class _Seq:
     token_ids: list[int]
     block_table: list[int]
     num_computed_tokens: int = 0
+    window_block_tables: list[list[int]] = field(default_factory=list)  # same ids, own pools
 
 
 @dataclass(slots=True)
@@ -110,9 +111,11 @@ def drive(runner, s: Script, recv_from: int | None, send_to: int | None) -> list
     import torch.distributed as dist
 
     blocks_per_seq = NUM_BLOCKS // 2
+    tables = {"a": list(range(blocks_per_seq)), "b": list(range(blocks_per_seq, NUM_BLOCKS))}
+    windows = len(runner.windows)
     seqs = {
-        "a": _Seq(list(s.prompt_a), list(range(blocks_per_seq))),
-        "b": _Seq(list(s.prompt_b), list(range(blocks_per_seq, NUM_BLOCKS))),
+        key: _Seq(list(p), tables[key], window_block_tables=[tables[key]] * windows)
+        for key, p in (("a", s.prompt_a), ("b", s.prompt_b))
     }
     fed = {"a": iter(s.decode_a), "b": iter(s.decode_b)}
     out = []
@@ -125,11 +128,11 @@ def drive(runner, s: Script, recv_from: int | None, send_to: int | None) -> list
             batch = [_Item(seqs[key], n) for key, n in step]
             ids, positions, meta = runner._prepare_inputs(batch)
             if recv_from is None:
-                hidden = runner.model(ids, positions, runner.kv_cache, meta)
+                hidden = runner.model(ids, positions, runner.kv_caches, meta)
             else:
                 incoming = torch.empty(len(ids), runner.config.hidden_size)
                 dist.recv(incoming, src=recv_from)
-                hidden = runner.model(incoming, positions, runner.kv_cache, meta)
+                hidden = runner.model(incoming, positions, runner.kv_caches, meta)
             if send_to is not None:
                 dist.send(hidden.contiguous(), dst=send_to)
             else:
@@ -186,8 +189,8 @@ def _rank_main(rank: int, port: int, cases: list[tuple[str, str, str]], out_dir:
 def _run_case(layout, stage, tp, rank, model, folder, out_dir) -> None:  # noqa: ANN001
     from infire.config import CacheConfig
     from infire.engine.runner import ModelRunner
-    from infire.models.llama import LlamaForCausalLM
     from infire.models.loader import load_model
+    from infire.models.registry import family_named
     from infire.parallel import check_parallel, layer_ranges
 
     loaded = load_model(folder or None, torch.float32)
@@ -200,7 +203,7 @@ def _run_case(layout, stage, tp, rank, model, folder, out_dir) -> None:  # noqa:
     params = {}
     if folder:  # tiny models: the runner packs its matmul weights for oneDNN, so read what
         # a rank loads from a model that keeps them as they were loaded
-        unpacked = LlamaForCausalLM(config, tp, layer_range)
+        unpacked = family_named(config.architecture).model_class(config, tp, layer_range)
         unpacked.load_weights(loaded.weights)
         params = dict(unpacked.named_parameters())
     tp_rank = tp.rank
@@ -210,7 +213,7 @@ def _run_case(layout, stage, tp, rank, model, folder, out_dir) -> None:  # noqa:
     record = {
         "params": params,
         "packed": any(getattr(m, "packed", None) is not None for m in runner.model.modules()),
-        "kv_cache_shape": tuple(runner.kv_cache.shape),
+        "kv_cache_shape": (len(runner.kv_caches), *runner.kv_caches[0].shape),
         "fused_status": runner.fused_status,
         "layer_range": layer_range,
         "tp_rank": tp_rank,

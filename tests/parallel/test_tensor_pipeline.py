@@ -25,7 +25,10 @@ from tiny_models import write_tiny_model
 
 TINY = ("llama", "qwen2", "mqa")
 TINY_CASES = [(layout, model) for layout in ("tp2", "pp2", "tp2pp2", "tp4") for model in TINY]
-CASES = [*TINY_CASES, ("tp3", "smollm2"), ("pp2", "smollm2")]
+# the families beyond Llama (tests/tiny_models.py FAMILY_CONFIGS), at TP=2 (and an MoE at PP=2)
+FAMILIES = ("qwen3", "qwen3_moe", "mixtral")
+FAMILY_CASES = [("tp2", family) for family in FAMILIES] + [("pp2", "qwen3_moe")]
+CASES = [*TINY_CASES, *FAMILY_CASES, ("tp3", "smollm2"), ("pp2", "smollm2")]
 TOLERANCE = 1e-4
 # SmolLM2's 30 layers sum in another order when split three ways: measured 8.4e-5 here,
 # and another CPU's GEMM blocking moves that either way; its greedy tokens must agree too.
@@ -38,7 +41,11 @@ def models(tiny_llama: Path, tiny_qwen2: Path, tmp_path_factory: pytest.TempPath
         tmp_path_factory.mktemp("tiny-mqa"), "llama", seed=4, num_key_value_heads=1,
         vocab_size=267,
     )  # fmt: skip
-    return {"llama": tiny_llama, "qwen2": tiny_qwen2, "mqa": mqa, "smollm2": None}
+    families = {
+        family: write_tiny_model(tmp_path_factory.mktemp(family), family, seed=7)
+        for family in FAMILIES
+    }
+    return {"llama": tiny_llama, "qwen2": tiny_qwen2, "mqa": mqa, "smollm2": None, **families}
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +174,23 @@ def full_numel_of(full: dict[str, torch.Tensor], name: str, start: int) -> int:
     leaves = {"o_proj": ["self_attn.o_proj"], "down_proj": ["mlp.down_proj"],
               "gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"]}[name.split(".")[-2]]  # fmt: skip
     return sum(full[f"model.layers.{layer}.{leaf}.weight"].numel() for leaf in leaves)
+
+
+@pytest.mark.parametrize(
+    ("layout", "model"), FAMILY_CASES, ids=[f"{a}-{b}" for a, b in FAMILY_CASES]
+)
+def test_experts_are_split_by_intermediate_features(
+    world: Path, models: dict[str, Path], layout: str, model: str
+):
+    layout = LAYOUTS[layout]
+    config = load_model(models[model], torch.float32).config
+    size = getattr(config, "moe_intermediate_size", 0) or config.intermediate_size
+    for ranks in layout.stages:
+        for rank in ranks:
+            params = _record(world, layout, model, rank)["params"]
+            experts = {n: v for n, v in params.items() if n.endswith((".w13", ".w2"))}
+            assert bool(experts) == bool(getattr(config, "num_experts", 0))
+            for name, value in experts.items():
+                assert value.shape[0] == config.num_experts
+                local = value.shape[1] // 2 if name.endswith("w13") else value.shape[2]
+                assert local * layout.tp_size == size, (rank, name)
