@@ -35,6 +35,7 @@ def byte_level_tokenizer() -> HFTokenizer:
 # common tiny config): 2-4 layers, MoE with 4-8 experts and top-2, windows short enough
 # that a test prompt outgrows them.
 FAMILY_CONFIGS: dict[str, dict[str, object]] = {
+    "mistral": dict(sliding_window=8),  # every layer windowed: group 0 holds no layer
     "qwen3": dict(head_dim=16),
     "qwen3_moe": dict(
         head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
@@ -56,6 +57,7 @@ FAMILY_CONFIGS: dict[str, dict[str, object]] = {
         num_hidden_layers=4, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
         intermediate_size=48, intermediate_size_mlp=96, interleave_moe_layer_step=2,
         attention_chunk_size=8, no_rope_layers=[1, 1, 1, 0], use_qk_norm=True,
+        floor_scale=8, attn_scale=0.5,  # the NoPE layer's query scale moves within a prompt
     ),
 }  # fmt: skip
 

@@ -133,7 +133,9 @@ def _load(args: argparse.Namespace) -> LLMEngine:
     engine = LLMEngine(_engine_config(args))
     print(
         f"infire: ready in {time.perf_counter() - start:.1f}s "
-        f"({engine.dtype}, {engine.model_info.num_kv_tokens} KV tokens, "
+        f"({engine.model_info.architecture}, {engine.dtype}, "
+        f"{engine.model_info.num_kv_tokens} KV tokens of "
+        f"{engine.model_info.kv_bytes_per_token} bytes, "
         f"CPU kernels {engine.model_info.fused_status})",
         file=sys.stderr,
     )
@@ -239,11 +241,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import torch
 
         from infire.models.loader import load_model
-        from infire.parallel import check_parallel
+        from infire.models.registry import check_split
 
         parallel = engine_config.parallel
         model_config = load_model(args.model, torch.float32).config  # weights are not read
-        check_parallel(model_config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+        check_split(model_config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.no_access_log:

@@ -55,6 +55,7 @@ class ModelConfig:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None  # every layer's, where a family has one (Mistral)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:

@@ -41,7 +41,9 @@ MESSAGES = [
     GenerateRequest("r2", [4], SamplingParams()),
     AbortRequest("r1"),
     Shutdown(),
-    EngineReady(ModelInfo("m", 2048, 49152, 4096, 16, "float32", "active", "{{ x }}")),
+    EngineReady(
+        ModelInfo("m", 2048, 49152, 4096, 16, "float32", "active", "{{ x }}", "qwen3", 4608)
+    ),
     EngineFailed("no such model"),
     StepOutputs([DELTA], EngineStats(1, 2, 0.5, 3, 4, 5, 6, 7, 8, 9, 10)),
     StepOutputs(),

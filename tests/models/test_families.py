@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_harness import engine_run, prompts_for, reference_run
 
+from family_harness import engine_run, prompts_for, reference_run
 from tiny_models import write_tiny_model
 
-FAMILIES = ["qwen3", "qwen3_moe", "mixtral"]
+FAMILIES = ["mistral", "qwen3", "qwen3_moe", "mixtral"]
 NEW_TOKENS = 32
 TOLERANCE = 1e-4
 

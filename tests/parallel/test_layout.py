@@ -90,3 +90,23 @@ def test_a_stage_builds_only_its_layers():
         first.compute_logits(torch.zeros(1, 576, device="meta"))
     with pytest.raises(ValueError, match="layer_range"):
         LlamaForCausalLM(SMOLLM2, layer_range=(8, 31))
+
+
+def test_experts_that_cannot_split_are_refused_before_any_rank_starts():
+    from infire.models.mixtral import MoEConfig
+    from infire.models.registry import check_split
+
+    moe = MoEConfig(
+        architecture="qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=128, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=50, sparse_layers=(0, 1),
+    )  # fmt: skip
+    check_split(moe, 2, 2)  # 50 splits in two
+    with pytest.raises(ModelLoadError, match="experts' intermediate size 50 is not divisible"):
+        check_split(moe, 4, 1)
+    mixtral = dataclasses.replace(  # Mixtral's experts are intermediate_size wide
+        moe, architecture="mixtral", moe_intermediate_size=0, intermediate_size=102
+    )
+    with pytest.raises(ModelLoadError, match="intermediate_size 102 is not divisible"):
+        check_split(mixtral, 4, 1)

@@ -103,6 +103,8 @@ class LLMEngine:
             dtype=str(self.dtype).removeprefix("torch."),
             fused_status=self.runner.fused_status,
             chat_template=self.tokenizer.chat_template,
+            architecture=self.model_config.architecture,
+            kv_bytes_per_token=self.runner.kv_bytes_per_token,
         )
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:

@@ -44,7 +44,8 @@ from infire.engine.runner import ModelRunner, StepResult
 from infire.engine.scheduler import ScheduledSequence
 from infire.layers.sampler import SamplerOutput
 from infire.models.loader import LoadedModel, load_model
-from infire.parallel import TensorParallelGroup, check_parallel, layer_ranges
+from infire.models.registry import check_split
+from infire.parallel import TensorParallelGroup, layer_ranges
 
 logger = logging.getLogger("infire.engine.executor")
 
@@ -113,7 +114,7 @@ def build_rank_runner(
     parallel = config.parallel
     place = RankPlace(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
     loaded = loaded or load_model(config.model, dtype)  # weights are read lazily, below
-    check_parallel(loaded.config, place.tp_size, place.pp_size)
+    check_split(loaded.config, place.tp_size, place.pp_size)
     device = config.device
     if device == "cuda":  # one GPU per local rank
         device = f"cuda:{rank % (parallel.world_size // parallel.nnodes)}"
@@ -235,7 +236,7 @@ class MultiprocExecutor:
         set_rank_threads(config.parallel)
         loaded = load_model(config.model, dtype)
         # A model that cannot be cut this way is refused before any process starts.
-        check_parallel(loaded.config, self.place.tp_size, self.place.pp_size)
+        check_split(loaded.config, self.place.tp_size, self.place.pp_size)
         try:
             self.workers = spawn_local_workers(config, dtype, node_rank=0)
             self.runner, self.loaded, self._messages = build_rank_runner(config, dtype, 0, loaded)

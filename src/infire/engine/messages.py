@@ -96,6 +96,8 @@ class ModelInfo:
     dtype: str
     fused_status: str  # whether the fused CPU forward runs, and why not
     chat_template: str | None = None
+    architecture: str = ""  # the model family (models/registry.py)
+    kv_bytes_per_token: int = 0  # a token of context in the whole model's KV cache
     tasks: tuple[str, ...] = ("generate",)
 
 

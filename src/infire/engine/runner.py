@@ -90,6 +90,8 @@ class ModelRunner:
             self.fused_status = "unavailable: tensor/pipeline parallel ranks use the PyTorch path"
         elif cpu_kernels and not model_class.supports_fused_cpu:
             self.fused_status = f"unavailable: {config.architecture} runs the PyTorch path"
+        elif cpu_kernels and self.windows:
+            self.fused_status = "unavailable: sliding-window attention runs the PyTorch path"
         elif cpu_kernels:
             built = CpuForward.build(self.model, self.kv_cache, dtype, palette)
             self.fused = built if isinstance(built, CpuForward) else None
@@ -143,8 +145,9 @@ class ModelRunner:
         if full < max(caps, default=0):  # too small to cap the windows: share evenly
             full = budget // max(sum(per_block), 1)
             caps = [full] * len(caps)
-        if not per_block[0]:  # no full-attention layer: its tables still count blocks
-            full = max(caps, default=1)
+        if not per_block[0]:  # no full-attention layer: group 0 only counts blocks
+            context = limits.max_model_len or self.config.max_position_embeddings
+            full = limits.max_num_seqs * -(-context // bs)
         if full < 1:
             raise ModelLoadError(
                 f"--kv-cache-memory {cache.kv_cache_memory} bytes is less than one "

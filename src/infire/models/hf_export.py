@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from infire.config import ModelConfig
+from infire.errors import UnsupportedModelError
 from infire.tokenizer import Tokenizer
 
 _CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -18,7 +19,13 @@ _CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
 
 
 def hf_config(c: ModelConfig, dtype: str) -> dict:
-    """config.json of a ModelConfig."""
+    """config.json of a ModelConfig (the Llama family's: a GGUF of another family cannot be
+    written as a folder yet)."""
+    if c.architecture not in _CLASSES or c.rope_scaling and c.rope_scaling.kind != "llama3":
+        raise UnsupportedModelError(
+            f"writing a {c.architecture} model as a Hugging Face folder is not supported "
+            f"(supported: {', '.join(_CLASSES)}); serve its GGUF file as it is"
+        )
     config = {
         "architectures": [_CLASSES[c.architecture]], "model_type": c.architecture,
         "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,

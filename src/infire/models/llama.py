@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 from infire.config import ModelConfig
+from infire.errors import UnsupportedModelError
 from infire.layers.attention import AttentionMetadata
+from infire.layers.kv_spec import AttentionWindow, KVCacheSpec, kv_cache_spec_by_window
 from infire.layers.mlp import GatedMLP
 from infire.layers.norm import RMSNorm
 from infire.layers.self_attention import SelfAttention
@@ -41,10 +43,40 @@ class LlamaDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+def sliding_window_of(raw: dict[str, Any]) -> dict[str, Any]:
+    """The `sliding_window` field of a config.json: Mistral's and Mixtral's apply to every
+    layer; Qwen's apply only where `use_sliding_window` (refused: released models keep it
+    off)."""
+    if raw.get("model_type") in ("mistral", "mixtral"):
+        return {"sliding_window": raw.get("sliding_window")}
+    if raw.get("use_sliding_window"):
+        raise UnsupportedModelError("use_sliding_window (Qwen's windowed layers) is not supported")
+    return {}
+
+
+def uniform_kv_spec(config: ModelConfig) -> KVCacheSpec:
+    """Every layer's K and V of num_key_value_heads x head_dim, windowed where the config
+    gives every layer a sliding window."""
+    per_layer = 2 * config.num_key_value_heads * config.head_dim
+    window = AttentionWindow("sliding", config.sliding_window) if config.sliding_window else None
+    layers = config.num_hidden_layers
+    return kv_cache_spec_by_window([window] * layers, [per_layer] * layers)
+
+
 class LlamaForCausalLM(CausalLM):
     """Llama, Mistral, Qwen2."""
 
-    supports_fused_cpu: ClassVar[bool] = True
+    supports_fused_cpu: ClassVar[bool] = True  # where no sliding window applies
+
+    @classmethod
+    def hf_config_fields(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        """Mistral's sliding window."""
+        return sliding_window_of(raw)
+
+    @classmethod
+    def kv_cache_spec(cls, config: ModelConfig) -> KVCacheSpec:
+        """Full attention, or Mistral's sliding window on every layer."""
+        return uniform_kv_spec(config)
 
     def make_layer(self, index: int) -> nn.Module:
         """One Llama block."""

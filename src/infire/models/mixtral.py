@@ -16,11 +16,13 @@ import torch
 from torch import nn
 
 from infire.config import ModelConfig
+from infire.errors import ModelLoadError
+from infire.layers.kv_spec import KVCacheSpec
 from infire.layers.linear import ColumnParallelLinear
 from infire.layers.moe import FusedMoE, softmax_topk
 from infire.layers.self_attention import SelfAttention
 from infire.models.base import CausalLM
-from infire.models.llama import LlamaDecoderLayer
+from infire.models.llama import LlamaDecoderLayer, sliding_window_of, uniform_kv_spec
 from infire.parallel import TensorParallelGroup
 
 
@@ -40,6 +42,16 @@ class MoEConfig(ModelConfig):
             raise ValueError(
                 f"num_experts_per_tok {self.num_experts_per_tok} of {self.num_experts} experts"
             )
+
+
+def check_expert_split(config: MoEConfig, tp_size: int) -> None:
+    """Refuse experts whose intermediate features do not split over tp_size ranks."""
+    size = config.moe_intermediate_size or config.intermediate_size
+    if size % tp_size:
+        raise ModelLoadError(
+            f"cannot split this model over tensor_parallel_size {tp_size}: the experts' "
+            f"intermediate size {size} is not divisible by it"
+        )
 
 
 class SparseMoeBlock(nn.Module):
@@ -72,7 +84,13 @@ class MixtralForCausalLM(CausalLM):
             "num_experts_per_tok": raw["num_experts_per_tok"],
             "norm_topk_prob": True,
             "sparse_layers": tuple(range(raw["num_hidden_layers"])),
+            **sliding_window_of(raw),
         }
+
+    @classmethod
+    def kv_cache_spec(cls, config: ModelConfig) -> KVCacheSpec:
+        """Full attention, or a sliding window on every layer."""
+        return uniform_kv_spec(config)
 
     @classmethod
     def gguf_config_fields(cls, metadata: dict[str, Any], prefix: str) -> dict[str, Any]:
@@ -83,6 +101,12 @@ class MixtralForCausalLM(CausalLM):
             "norm_topk_prob": True,
             "sparse_layers": tuple(range(int(metadata[f"{prefix}.block_count"]))),
         }
+
+    @classmethod
+    def check_parallel(cls, config: ModelConfig, tp_size: int) -> None:
+        """The Llama rules, and experts that split by intermediate features."""
+        super().check_parallel(config, tp_size)
+        check_expert_split(config, tp_size)
 
     def make_layer(self, index: int) -> nn.Module:
         """A Llama block with the sparse MoE as its MLP."""

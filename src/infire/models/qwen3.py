@@ -6,6 +6,7 @@ No q/k/v biases (Qwen2 had them); head_dim is given by the config, not hidden / 
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 from torch import nn
 
@@ -13,11 +14,16 @@ from infire.layers.mlp import GatedMLP
 from infire.layers.norm import RMSNorm
 from infire.layers.self_attention import SelfAttention
 from infire.models.base import CausalLM
-from infire.models.llama import LlamaDecoderLayer
+from infire.models.llama import LlamaDecoderLayer, sliding_window_of
 
 
 class Qwen3ForCausalLM(CausalLM):
     """Qwen3 dense models."""
+
+    @classmethod
+    def hf_config_fields(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        """Nothing beyond the common fields (a windowed config is refused)."""
+        return sliding_window_of(raw)
 
     def make_attention(self) -> SelfAttention:
         """GQA attention with per-head RMSNorm on q and k."""

@@ -14,7 +14,7 @@ from torch import nn
 from infire.config import ModelConfig
 from infire.layers.mlp import GatedMLP
 from infire.models.llama import LlamaDecoderLayer
-from infire.models.mixtral import MoEConfig, SparseMoeBlock
+from infire.models.mixtral import MoEConfig, SparseMoeBlock, check_expert_split
 from infire.models.qwen3 import Qwen3ForCausalLM
 
 
@@ -26,6 +26,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     @classmethod
     def hf_config_fields(cls, raw: dict[str, Any]) -> dict[str, Any]:
         """Expert counts and which layers are sparse."""
+        super().hf_config_fields(raw)  # refuses what Qwen3 refuses
         step = raw.get("decoder_sparse_step", 1) or 1
         dense = set(raw.get("mlp_only_layers") or [])
         layers = range(raw["num_hidden_layers"])
@@ -47,6 +48,12 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             "norm_topk_prob": True,
             "sparse_layers": tuple(range(int(metadata[f"{prefix}.block_count"]))),
         }
+
+    @classmethod
+    def check_parallel(cls, config: ModelConfig, tp_size: int) -> None:
+        """The Llama rules, and experts that split by intermediate features."""
+        super().check_parallel(config, tp_size)
+        check_expert_split(config, tp_size)
 
     def make_layer(self, index: int) -> nn.Module:
         """Qwen3 attention with the MoE (or, on a dense layer, a plain MLP)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from infire.config import ModelConfig
 from infire.errors import UnsupportedModelError
 from infire.models.base import CausalLM
 from infire.models.llama import LlamaForCausalLM
@@ -57,6 +58,15 @@ def family_named(architecture: str) -> ModelFamily:
         raise UnsupportedModelError(
             f"architecture {architecture!r} is not supported (supported: {supported()})"
         ) from None
+
+
+def check_split(config: ModelConfig, tp_size: int, pp_size: int) -> None:
+    """Refuse (ModelLoadError naming the constraint) a model that cannot be cut into tp_size
+    tensor-parallel ranks and pp_size pipeline stages, by its family's rules too."""
+    from infire.parallel import check_parallel
+
+    check_parallel(config, tp_size, pp_size)
+    family_named(config.architecture).model_class.check_parallel(config, tp_size)
 
 
 def family_of_hf(raw: dict[str, Any], where: object) -> ModelFamily:

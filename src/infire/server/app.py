@@ -95,7 +95,10 @@ def create_app(
             name = config.served_model_name or info.name
             metrics = ServerMetrics(client.stats, name)
             state.serving = Serving(client, name, config.max_waiting, metrics)
-            logger.info("ready: %s (%s)", name, info.fused_status)
+            logger.info(
+                "ready: %s (%s, %d KV tokens of %d bytes, CPU kernels %s)", name,
+                info.architecture, info.num_kv_tokens, info.kv_bytes_per_token, info.fused_status,
+            )  # fmt: skip
         except Exception as e:  # reported on /health and every route
             state.error = str(e)
             logger.error("model failed to load: %s", e)

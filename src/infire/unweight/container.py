@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from infire.config import ModelConfig
 from infire.models.checkpoint import open_checkpoint
-from infire.models.hf_export import write_hf_files
+from infire.models.hf_export import hf_config, write_hf_files
 from infire.models.weights import WeightSource
 from infire.tokenizer import Tokenizer
 from infire.unweight import CompressedTensor, UnweightError, compress_tensor, decompress_tensor
@@ -227,6 +227,8 @@ def compress_model(
     if dst.exists() and any(dst.iterdir()):
         raise UnweightError(f"{dst}: the destination exists and is not empty")
     config, weights, tokenizer = _open_original(src)
+    if not src.is_dir():
+        hf_config(config, "bfloat16")  # refuses a family it cannot write, before dst exists
     dst.mkdir(parents=True, exist_ok=True)
     if src.is_dir():
         for name in _KEEP:

@@ -112,7 +112,8 @@ def reference_run(
     folder: Path | str, prompts: list[list[int]], generated: list[list[int]], new_tokens: int
 ) -> tuple[list[torch.Tensor], list[list[int]]]:
     """transformers' logits at every sampling position of prompt + generated (one full
-    forward each), and its own greedy generation of `new_tokens` per prompt."""
+    forward each), and its own greedy decoding of `new_tokens` per prompt (with its KV
+    cache; EOS is a token like any other, as the engine runs with ignore_eos)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -121,9 +122,16 @@ def reference_run(
         for prompt, ours in zip(prompts, generated, strict=True):
             ids = torch.tensor([prompt + ours[:-1]])
             logits.append(model(ids).logits[0, len(prompt) - 1 :])
-            out = model.generate(
-                torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                do_sample=False, pad_token_id=0,
-            )  # fmt: skip
-            tokens.append(out[0, len(prompt) :].tolist())
+            tokens.append(transformers_greedy(model, prompt, new_tokens))
     return logits, tokens
+
+
+def transformers_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
+    """A transformers model's greedy tokens after `prompt`, step by step with its KV cache."""
+    ids, past, tokens = torch.tensor([prompt]), None, []
+    for _ in range(new_tokens):
+        out = model(ids, past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        tokens.append(int(out.logits[0, -1].argmax()))
+        ids = torch.tensor([[tokens[-1]]])
+    return tokens
