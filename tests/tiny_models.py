@@ -48,7 +48,7 @@ FAMILY_CONFIGS: dict[str, dict[str, object]] = {
                      "full_attention"],
     ),
     "deepseek_v3": dict(
-        num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1,
+        num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=2,
         num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=2,
         routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=32, q_lora_rank=48,
         qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_key_value_heads=4,

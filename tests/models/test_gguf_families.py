@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_harness import engine_run, prompts_for
 
+from family_harness import engine_run, prompts_for
 from gguf_writer import common_metadata, hf_config, hf_tensors, llama_like_tensors, write_gguf
 from infire.models.loader import load_model
 from tiny_models import write_tiny_model

@@ -193,7 +193,7 @@ class CpuForward:
         rope = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.cos, self.sin = rope.cos, rope.sin
+        self.cos, self.sin = rope.tables()
         layers = model.layers
         keep: list[torch.Tensor] = []  # every weight tensor the struct points into
         structs: list[_PaletteWeight] = []

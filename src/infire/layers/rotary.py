@@ -3,9 +3,8 @@
 Two pairings: rotate-half (x_i with x_{i + D/2}: Llama, Qwen, Gemma) and interleaved
 (x_{2i} with x_{2i+1}: Llama 4, DeepSeek-V3's decoupled RoPE part). Scalings: Llama 3's
 per-frequency smoothing, linear (Gemma 3's global layers) and YaRN (DeepSeek-V3, Kimi
-K2), whose attention factor multiplies cos and sin. cos/sin are precomputed once for
-every position up to the context length; a forward gathers the rows of this step's
-positions, so no trigonometry runs per token.
+K2), whose attention factor multiplies cos and sin. cos/sin are computed for
+each step's positions, once per step for all layers.
 """
 
 from __future__ import annotations
@@ -79,7 +78,8 @@ def _yarn_frequencies(dim: int, base: float, scaling: RopeScaling) -> torch.Tens
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed RoPE cos/sin tables for every position up to the context length."""
+    """RoPE cos/sin of a step's positions, computed from the inverse frequencies (no table
+    over the whole context: Llama 4 Scout's 10M positions would take gigabytes)."""
 
     def __init__(
         self,
@@ -91,16 +91,26 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.interleaved = interleaved
-        inv_freq = inverse_frequencies(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = freqs.repeat_interleave(2, -1) if interleaved else torch.cat((freqs, freqs), -1)
-        factor = attention_factor(scaling)
-        self.register_buffer("cos", emb.cos() * factor, persistent=False)
-        self.register_buffer("sin", emb.sin() * factor, persistent=False)
+        self.max_positions = max_positions
+        # a plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies
+        self.inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        self.factor = attention_factor(scaling)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """[2, T, 1, D] cos and sin rows of this step's positions, computed once per step."""
-        return torch.stack((self.cos[positions], self.sin[positions])).to(dtype).unsqueeze(2)
+        """[2, T, 1, D] cos and sin of this step's positions, computed once per step."""
+        inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.to(torch.float32).unsqueeze(1) * inv_freq
+        emb = freqs.repeat_interleave(2, -1) if self.interleaved else torch.cat((freqs, freqs), -1)
+        cos_sin = torch.stack((emb.cos(), emb.sin()))
+        if self.factor != 1.0:
+            cos_sin = cos_sin * self.factor
+        return cos_sin.to(dtype).unsqueeze(2)
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos and sin [max_positions, D] of every position (the fused forward's)."""
+        positions = torch.arange(self.max_positions, device=self.inv_freq.device)
+        cos_sin = self.cos_sin(positions, torch.float32)
+        return cos_sin[0, :, 0], cos_sin[1, :, 0]
 
     def rotate(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] rotated with this embedding's pairing."""

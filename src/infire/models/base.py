@@ -24,7 +24,7 @@ from infire.layers.attention import AttentionMetadata
 from infire.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from infire.layers.kv_spec import KVCacheSpec, KVGroupSpec
 from infire.layers.linear import LinearBase
-from infire.layers.moe import ALL_SHARDS
+from infire.layers.moe import ALL_SHARDS, FusedMoE
 from infire.layers.norm import RMSNorm
 from infire.layers.rotary import RotaryEmbedding
 from infire.models.weights import WeightSource, as_source
@@ -113,7 +113,8 @@ class CausalLM(nn.Module):
 
     @classmethod
     def gguf_tensor_transform(cls, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Undo what llama.cpp's converter did to a tensor of this family (read from GGUF)."""
+        """Undo what llama.cpp's converter did to a tensor of this family (read from GGUF; a
+        piece of rows at a time, in float32, so row-wise transforms only)."""
         return tensor
 
     def make_layer(self, index: int) -> nn.Module:
@@ -185,7 +186,7 @@ class CausalLM(nn.Module):
 
     def pack_for_cpu(self) -> bool:
         """Prepack every matmul weight for oneDNN (call after load_weights); False if unsupported."""
-        linears = [m for m in self.modules() if isinstance(m, LinearBase)]
+        linears = [m for m in self.modules() if isinstance(m, LinearBase | FusedMoE)]
         return all([m.pack_for_cpu() for m in linears])
 
     def drop_matmul_weights(self, embedding: bool = False) -> None:

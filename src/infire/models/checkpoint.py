@@ -79,6 +79,7 @@ def config_from_hf(raw: dict[str, Any], generation: dict[str, Any], where: Path)
     """ModelConfig from an HF config.json (and generation_config.json for extra EOS ids)."""
     from infire.models.registry import family_of_hf
 
+    raw = text_config(raw)
     family = family_of_hf(raw, where)
     arch = family.architecture
     try:
@@ -107,6 +108,19 @@ def config_from_hf(raw: dict[str, Any], generation: dict[str, Any], where: Path)
         raise ModelLoadError(f"{where}/config.json: missing field {e.args[0]!r}") from None
     except ValueError as e:
         raise ModelLoadError(f"{where}/config.json: {e}") from None
+
+
+def text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config.json's text model as a flat config: `text_config` over the top
+    level, whose class name, tying and special token ids still hold."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        return raw
+    merged = {**raw, **text}
+    for key in ("architectures", "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+        if key in raw:
+            merged[key] = raw[key]
+    return merged
 
 
 def _rope_theta(raw: dict[str, Any]) -> float:

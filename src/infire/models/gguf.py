@@ -259,6 +259,8 @@ def _rope_scaling(
     factor = metadata.get(f"{file_arch}.rope.scaling.factor", 1.0)
     if kind in (None, "none") or factor == 1.0:
         return None
+    if kind == "linear":
+        return RopeScaling(float(factor), kind="linear")
     raise UnsupportedModelError(
         f"{path}: RoPE scaling {kind!r} is not supported (supported: llama3-style rope_freqs)"
     )
@@ -287,7 +289,9 @@ def _llama3_scaling_from_factors(
     # smooth = original / wavelen / (high - low) - low / (high - low), linear in 1 / wavelen
     smooth = (1 / factors[medium] - 1 / factor) / (1 - 1 / factor)
     scaling = RopeScaling(factor, 1.0, 4.0, int(original or 8192))  # Llama 3 defaults
-    if medium.sum() >= 2:
+    if not medium.any():  # no smoothed band: low = high frequency factor (Llama 4 Scout)
+        scaling = RopeScaling(factor, 1.0, 1.0, int(original or 8192))
+    elif medium.sum() >= 2:
         slope, intercept = np.polyfit(1 / wavelen[medium], smooth, 1)
         if intercept < 0:
             scaling = RopeScaling(
@@ -305,8 +309,9 @@ def _llama3_factors(scaling: RopeScaling, wavelen: np.ndarray) -> np.ndarray:
     """llama.cpp's rope_freqs for `scaling` (its converter's formula)."""
     original = scaling.original_max_position_embeddings
     low, high = scaling.low_freq_factor, scaling.high_freq_factor
-    smooth = (original / wavelen - low) / (high - low)
-    medium = 1 / ((1 - smooth) / scaling.factor + smooth)
+    with np.errstate(divide="ignore", invalid="ignore"):  # low == high: no smoothed band
+        smooth = (original / wavelen - low) / (high - low)
+        medium = 1 / ((1 - smooth) / scaling.factor + smooth)
     return np.where(
         wavelen < original / high, 1.0, np.where(wavelen > original / low, scaling.factor, medium)
     )
@@ -384,11 +389,13 @@ class GGUFSource(WeightSource):
             if heads:
                 values = _unpermute_rope_rows(values, (last - first) // head_dim)
             part = torch.from_numpy(values)
+            if self._transform is not None:  # on the float32 values, before any rounding
+                part = self._transform(name, part)
             out[first - rows.start : last - rows.start] = (
                 part if dim == 0 else part.narrow(1, start, length)
             )
         self._release(tensor)
-        return out if self._transform is None else self._transform(name, out)
+        return out
 
     def _rows_per_piece(self, name: str) -> int:
         rows = super()._rows_per_piece(name)

@@ -14,7 +14,9 @@ from typing import Any
 from infire.config import ModelConfig
 from infire.errors import UnsupportedModelError
 from infire.models.base import CausalLM
+from infire.models.gemma3 import Gemma3ForCausalLM
 from infire.models.llama import LlamaForCausalLM
+from infire.models.llama4 import Llama4ForCausalLM
 from infire.models.mixtral import MixtralForCausalLM
 from infire.models.qwen3 import Qwen3ForCausalLM
 from infire.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -41,6 +43,21 @@ FAMILIES = (
     ),
     # llama.cpp writes Mixtral as "llama" with experts: see family_of_gguf
     ModelFamily("mixtral", MixtralForCausalLM, ("MixtralForCausalLM",), ("mixtral",)),
+    # the multimodal checkpoints' text part too (their vision tower is not loaded)
+    ModelFamily(
+        "gemma3",
+        Gemma3ForCausalLM,
+        ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+        ("gemma3_text", "gemma3"),
+        ("gemma3",),
+    ),
+    ModelFamily(
+        "llama4",
+        Llama4ForCausalLM,
+        ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"),
+        ("llama4_text", "llama4"),
+        ("llama4",),
+    ),
 )
 _BY_NAME = {family.architecture: family for family in FAMILIES}
 
