@@ -130,7 +130,7 @@ def transformers_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: i
     """A transformers model's greedy tokens after `prompt`, step by step with its KV cache."""
     ids, past, tokens = torch.tensor([prompt]), None, []
     for _ in range(new_tokens):
-        out = model(ids, past_key_values=past, use_cache=True)
+        out = model(ids, cache=past, use_cache=True)
         past = out.past_key_values
         tokens.append(int(out.logits[0, -1].argmax()))
         ids = torch.tensor([[tokens[-1]]])

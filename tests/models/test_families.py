@@ -16,7 +16,7 @@ import torch
 from family_harness import engine_run, prompts_for, reference_run
 from tiny_models import write_tiny_model
 
-FAMILIES = ["mistral", "qwen3", "qwen3_moe", "mixtral", "gemma3_text", "llama4_text"]
+FAMILIES = ["mistral", "qwen3", "qwen3_moe", "mixtral", "gemma3_text", "llama4_text", "deepseek_v3"]
 NEW_TOKENS = 32
 TOLERANCE = 1e-4
 

@@ -15,7 +15,7 @@ from family_harness import transformers_greedy
 from infire import LLM, SamplingParams
 from tiny_models import write_tiny_model
 
-FAMILIES = ["mistral", "qwen3_moe", "mixtral", "gemma3_text", "llama4_text"]
+FAMILIES = ["mistral", "qwen3_moe", "mixtral", "gemma3_text", "llama4_text", "deepseek_v3"]
 PROMPTS = [
     list(range(20, 57)),
     [11] * 3,

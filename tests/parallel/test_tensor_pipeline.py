@@ -26,7 +26,7 @@ from tiny_models import write_tiny_model
 TINY = ("llama", "qwen2", "mqa")
 TINY_CASES = [(layout, model) for layout in ("tp2", "pp2", "tp2pp2", "tp4") for model in TINY]
 # the families beyond Llama (tests/tiny_models.py FAMILY_CONFIGS), at TP=2 (and an MoE at PP=2)
-FAMILIES = ("mistral", "qwen3", "qwen3_moe", "mixtral", "gemma3_text", "llama4_text")
+FAMILIES = ("mistral", "qwen3", "qwen3_moe", "mixtral", "gemma3_text", "llama4_text", "deepseek_v3")
 FAMILY_CASES = [("tp2", family) for family in FAMILIES] + [("pp2", "qwen3_moe")]
 CASES = [*TINY_CASES, *FAMILY_CASES, ("tp3", "smollm2"), ("pp2", "smollm2")]
 TOLERANCE = 1e-4

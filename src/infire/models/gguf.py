@@ -185,7 +185,8 @@ def _model_config(
     )
     head_dim = metadata.get(f"{file_arch}.attention.key_length") or hidden_size // num_heads
     rotary_dim = metadata.get(f"{file_arch}.rope.dimension_count", head_dim)
-    if rotary_dim != head_dim:
+    # MLA (deepseek2) rotates only its qk_rope_head_dim part, which its family reads
+    if rotary_dim != head_dim and f"{file_arch}.attention.kv_lora_rank" not in metadata:
         raise UnsupportedModelError(
             f"{path}: partial RoPE (rope.dimension_count {rotary_dim}, head_dim {head_dim}) "
             "is not supported"
@@ -261,9 +262,33 @@ def _rope_scaling(
         return None
     if kind == "linear":
         return RopeScaling(float(factor), kind="linear")
+    if kind == "yarn":
+        return _yarn_scaling(metadata, file_arch, float(factor), path)
     raise UnsupportedModelError(
-        f"{path}: RoPE scaling {kind!r} is not supported (supported: llama3-style rope_freqs)"
+        f"{path}: RoPE scaling {kind!r} is not supported (supported: llama3-style "
+        "rope_freqs, linear, yarn)"
     )
+
+
+def _yarn_scaling(
+    metadata: dict[str, Any], file_arch: str, factor: float, path: Path
+) -> RopeScaling:
+    """YaRN from llama.cpp's rope.scaling keys. Its deepseek2 converter writes 0.1 *
+    mscale_all_dim as yarn_log_multiplier and drops mscale, which DeepSeek-V3 and Kimi K2
+    set equal to mscale_all_dim."""
+    key = f"{file_arch}.rope.scaling"
+    original = metadata.get(f"{key}.original_context_length")
+    if original is None:
+        raise ModelLoadError(f"{path}: YaRN RoPE scaling without {key}.original_context_length")
+    log_mul = metadata.get(f"{key}.yarn_log_multiplier")
+    mscale = log_mul / 0.1 if log_mul and file_arch == "deepseek2" else None
+    return RopeScaling(
+        factor=factor, original_max_position_embeddings=int(original), kind="yarn",
+        beta_fast=float(metadata.get(f"{key}.yarn_beta_fast", 32.0)),
+        beta_slow=float(metadata.get(f"{key}.yarn_beta_slow", 1.0)),
+        mscale=mscale, mscale_all_dim=mscale,
+        attention_factor=metadata.get(f"{key}.yarn_attn_factor"),
+    )  # fmt: skip
 
 
 def _llama3_scaling_from_factors(

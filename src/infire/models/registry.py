@@ -14,6 +14,7 @@ from typing import Any
 from infire.config import ModelConfig
 from infire.errors import UnsupportedModelError
 from infire.models.base import CausalLM
+from infire.models.deepseek_v3 import DeepseekV3ForCausalLM
 from infire.models.gemma3 import Gemma3ForCausalLM
 from infire.models.llama import LlamaForCausalLM
 from infire.models.llama4 import Llama4ForCausalLM
@@ -50,6 +51,13 @@ FAMILIES = (
         ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
         ("gemma3_text", "gemma3"),
         ("gemma3",),
+    ),
+    ModelFamily(
+        "deepseek_v3",
+        DeepseekV3ForCausalLM,
+        ("DeepseekV3ForCausalLM",),
+        ("deepseek_v3", "kimi_k2"),
+        ("deepseek2",),
     ),
     ModelFamily(
         "llama4",
