@@ -126,6 +126,27 @@ def reference_run(
     return logits, tokens
 
 
+def assert_matches_transformers(
+    model: Path | str,
+    prompts: list[list[int]],
+    new_tokens: int,
+    reference: Path | str | None = None,
+    tolerance: float = 1e-4,
+) -> EngineRun:
+    """Run `model` (a folder or GGUF file) through the engine and transformers on
+    `reference` (the folder itself by default): logits within `tolerance` at every sampled
+    row, and the same greedy tokens."""
+    run = engine_run(model, prompts, new_tokens)
+    want_logits, want_tokens = reference_run(reference or model, prompts, run.tokens, new_tokens)
+    for index, (ours, theirs) in enumerate(zip(run.logits, want_logits, strict=True)):
+        assert len(ours) == new_tokens == theirs.shape[0]
+        for step, row in enumerate(ours):
+            diff = (row - theirs[step]).abs().max().item()
+            assert diff < tolerance, (index, step, diff)
+    assert run.tokens == want_tokens
+    return run
+
+
 def transformers_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
     """A transformers model's greedy tokens after `prompt`, step by step with its KV cache."""
     ids, past, tokens = torch.tensor([prompt]), None, []

@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from family_harness import engine_run, prompts_for, reference_run
 
+from family_harness import engine_run, prompts_for, reference_run
 from infire import LLM, SamplingParams
 from infire.engine.kv_cache import BlockManager
 from infire.engine.request import Sequence
@@ -91,3 +91,63 @@ def _sequence(seq_id: int, tokens: list[int]) -> Sequence:
         seq_id=seq_id, request_id=str(seq_id), index=0, prompt_token_ids=tokens,
         params=SamplingParams(), metrics=RequestMetrics(0.0), detokenizer=None,  # type: ignore[arg-type]
     )  # fmt: skip
+
+
+def test_aborting_a_waiting_request_frees_nothing_it_never_held(tiny_mistral: Path):
+    from infire.config import CacheConfig, EngineConfig, SchedulerConfig
+    from infire.engine.engine import LLMEngine
+
+    config = EngineConfig(
+        model=str(tiny_mistral), dtype="float32", cache=CacheConfig(block_size=4, num_blocks=32),
+        scheduler=SchedulerConfig(max_num_seqs=1),
+    )  # fmt: skip
+    engine = LLMEngine(config)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("running", list(range(1, 20)), params)
+    engine.add_request("waiting", list(range(5, 30)), params)
+    engine.step()
+    engine.abort_request("waiting")  # never scheduled: no window tables
+    while engine.has_unfinished_requests():
+        engine.step()
+    manager = engine.block_manager
+    assert manager.num_free_blocks == 32 and manager.windows[0].num_free_blocks == 32
+
+
+def test_the_budget_gives_windows_what_they_can_use(tmp_path: Path, tiny_mistral: Path):
+    import torch
+
+    from infire.config import CacheConfig, SchedulerConfig
+    from infire.engine.runner import ModelRunner
+    from infire.errors import ModelLoadError
+    from infire.models.loader import load_model
+
+    gemma = load_model(write_tiny_model(tmp_path / "gemma", "gemma3_text"), torch.float32)
+    limits = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4)
+    budget = 1 << 20
+    runner = ModelRunner(gemma.config, gemma.weights, CacheConfig(block_size=4,
+                         kv_cache_memory=budget), torch.float32, scheduler_config=limits)  # fmt: skip
+    full, window = runner.group_num_blocks
+    # 4 windows of 8 tokens (2 + 2 blocks each) and a 64-token step (16 blocks)
+    assert window == 4 * 4 + 16
+    per_block = [g.elements_per_token * 4 * 4 for g in runner.kv_spec.groups]
+    assert full * per_block[0] + window * per_block[1] <= budget
+    assert full > 10 * window  # the full-attention layers get the rest
+    assert sum(t.numel() * 4 for t in runner.kv_caches) <= budget
+
+    mistral = load_model(tiny_mistral, torch.float32)  # every layer windowed
+    with pytest.raises(ModelLoadError, match="kv-cache-memory 4096 bytes is too small"):
+        ModelRunner(mistral.config, mistral.weights, CacheConfig(block_size=4,
+                    kv_cache_memory=4096), torch.float32, scheduler_config=limits)  # fmt: skip
+
+
+def test_a_window_as_long_as_the_context_is_full_attention(tmp_path: Path):
+    import torch
+
+    from infire.config import CacheConfig
+    from infire.engine.runner import ModelRunner
+    from infire.models.loader import load_model
+
+    folder = write_tiny_model(tmp_path / "long-window", "mistral", sliding_window=256)
+    loaded = load_model(folder, torch.float32)
+    runner = ModelRunner(loaded.config, loaded.weights, CacheConfig(num_blocks=8), torch.float32)
+    assert runner.windows == () and not runner.fused_status.startswith("unavailable: sliding")

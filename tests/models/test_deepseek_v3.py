@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from family_harness import engine_run, load_runner, prompts_for, reference_run
+from family_harness import assert_matches_transformers, engine_run, load_runner, prompts_for
 from gguf_writer import common_metadata, hf_config, hf_tensors, llama_like_tensors, write_gguf
 from infire.config import SchedulerConfig
 from infire.errors import ModelLoadError, UnsupportedModelError
@@ -55,19 +55,10 @@ def with_router_bias(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-def assert_matches_transformers(folder: Path, new_tokens: int, lengths=(37, 20, 5)) -> None:
-    """Logits within TOLERANCE at every sampled row and the same greedy tokens as
-    transformers, through chunked prefill and decodes with the real scheduler."""
+def _matches_transformers(folder: Path, new_tokens: int, lengths=(37, 20, 5)) -> None:
+    """The engine equals transformers on `folder` (logits and greedy tokens)."""
     vocab = load_model(folder, torch.float32).config.vocab_size
-    prompts = prompts_for(vocab, lengths)
-    run = engine_run(folder, prompts, new_tokens)
-    want_logits, want_tokens = reference_run(folder, prompts, run.tokens, new_tokens)
-    for index, (ours, theirs) in enumerate(zip(run.logits, want_logits, strict=True)):
-        assert len(ours) == new_tokens == theirs.shape[0]
-        for step, row in enumerate(ours):
-            diff = (row - theirs[step]).abs().max().item()
-            assert diff < TOLERANCE, (index, step, diff)
-    assert run.tokens == want_tokens
+    assert_matches_transformers(folder, prompts_for(vocab, lengths), new_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +100,7 @@ def test_biased_routing_matches_transformers(tiny: Path):
 
 
 def test_logits_and_greedy_tokens_with_router_bias(tiny: Path):
-    assert_matches_transformers(tiny, new_tokens=8)
+    _matches_transformers(tiny, new_tokens=8)
 
 
 def test_yarn_frequencies_and_scales_equal_transformers(tmp_path: Path):
@@ -137,7 +128,7 @@ def test_yarn_frequencies_and_scales_equal_transformers(tmp_path: Path):
 def test_yarn_logits_match_transformers(tmp_path: Path):
     folder = write_tiny_model(tmp_path, "deepseek_v3", seed=5, rope_parameters=YARN)
     # prompts past original_max_position_embeddings (64), where YaRN's ramp matters
-    assert_matches_transformers(with_router_bias(folder, seed=5), 4, lengths=(90, 20))
+    _matches_transformers(with_router_bias(folder, seed=5), 4, lengths=(90, 20))
 
 
 def test_plain_q_proj_and_rotate_half_rope_match_transformers(tmp_path: Path):
@@ -146,7 +137,7 @@ def test_plain_q_proj_and_rotate_half_rope_match_transformers(tmp_path: Path):
     )
     config = load_model(folder, torch.float32).config
     assert config.q_lora_rank is None and not config.rope_interleave
-    assert_matches_transformers(with_router_bias(folder, seed=11), new_tokens=8)
+    _matches_transformers(with_router_bias(folder, seed=11), new_tokens=8)
 
 
 def test_multi_token_prediction_layers_are_skipped(tiny: Path):

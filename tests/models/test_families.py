@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from family_harness import engine_run, prompts_for, reference_run
+from family_harness import assert_matches_transformers, prompts_for
+from infire.models.loader import load_model
 from tiny_models import write_tiny_model
 
 FAMILIES = ["mistral", "qwen3", "qwen3_moe", "mixtral", "gemma3_text", "llama4_text", "deepseek_v3"]
 NEW_TOKENS = 32
-TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -29,15 +29,5 @@ def family_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
 
 def test_logits_and_greedy_tokens_match_transformers(family_model: tuple[str, Path]):
     _, folder = family_model
-    from infire.models.loader import load_model
-
     vocab = load_model(folder, torch.float32).config.vocab_size
-    prompts = prompts_for(vocab)
-    run = engine_run(folder, prompts, NEW_TOKENS)
-    want_logits, want_tokens = reference_run(folder, prompts, run.tokens, NEW_TOKENS)
-    for index, (ours, theirs) in enumerate(zip(run.logits, want_logits, strict=True)):
-        assert len(ours) == NEW_TOKENS == theirs.shape[0]
-        for step, row in enumerate(ours):
-            diff = (row - theirs[step]).abs().max().item()
-            assert diff < TOLERANCE, (index, step, diff)
-    assert run.tokens == want_tokens
+    assert_matches_transformers(folder, prompts_for(vocab), NEW_TOKENS)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import family_harness
-from family_harness import EngineRun, engine_run, prompts_for, reference_run
+from family_harness import assert_matches_transformers, engine_run, prompts_for
 from gguf_writer import common_metadata, hf_config, hf_tensors, write_gguf
 from infire.engine.kv_cache import BlockManager
 from infire.errors import ModelLoadError, UnsupportedModelError
@@ -27,21 +27,6 @@ from infire.models.loader import load_model
 from tiny_models import write_tiny_model
 
 TOLERANCE = 1e-4
-
-
-def _assert_matches_transformers(
-    model: Path, prompts: list[list[int]], new_tokens: int, reference: Path | None = None
-) -> EngineRun:
-    """Run `model` (a folder or GGUF file) and transformers on `reference` (the folder
-    itself by default): logits within TOLERANCE at every sampled row, equal tokens."""
-    run = engine_run(model, prompts, new_tokens)
-    want_logits, want_tokens = reference_run(reference or model, prompts, run.tokens, new_tokens)
-    for ours, theirs in zip(run.logits, want_logits, strict=True):
-        assert len(ours) == new_tokens == theirs.shape[0]
-        diff = max((row - theirs[step]).abs().max().item() for step, row in enumerate(ours))
-        assert diff < TOLERANCE
-    assert run.tokens == want_tokens
-    return run
 
 
 def _legacy_config(folder: Path) -> None:
@@ -85,7 +70,7 @@ def test_config_variants_match_transformers(tmp_path: Path, variant: str):
         assert config.rope_scaling is not None and config.rope_scaling.factor == 2.0
     else:
         assert config.final_logit_softcapping == 3.0 and config.global_rope_scaling.factor == 4.0
-    _assert_matches_transformers(folder, prompts_for(config.vocab_size), 16)
+    assert_matches_transformers(folder, prompts_for(config.vocab_size), 16)
 
 
 def test_sliding_window_is_transformers_mask():
@@ -121,7 +106,7 @@ def test_long_generation_keeps_the_window_bounded(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(family_harness, "BlockManager", Recording)
     new_tokens = 60
     prompts = prompts_for(load_model(folder, torch.float32).config.vocab_size, (40, 30))
-    run = _assert_matches_transformers(folder, prompts, new_tokens)
+    run = assert_matches_transformers(folder, prompts, new_tokens)
     per_sequence = run.runner.windows[0].max_blocks(16, run.runner.block_size)
     assert 0 < run.window_blocks_peak[0] <= per_sequence * len(prompts)
     for seq_id, prompt in enumerate(prompts):
@@ -206,7 +191,7 @@ def test_gguf_generates_as_transformers(tmp_path: Path):
                   "query_pre_attn_scalar", "final_logit_softcapping", "rope_theta"):  # fmt: skip
         assert getattr(from_gguf, field) == getattr(from_hf, field), field
     prompts = prompts_for(from_gguf.vocab_size)
-    run = _assert_matches_transformers(path, prompts, 32, reference=folder)
+    run = assert_matches_transformers(path, prompts, 32, reference=folder)
     assert run.tokens == engine_run(folder, prompts, 32).tokens
 
 
@@ -246,4 +231,4 @@ def test_multimodal_checkpoint_text_part(tmp_path: Path):
     assert any(n.startswith("language_model.model.layers.") for n in names)
     assert any(n.startswith("vision_tower.") for n in names)
 
-    _assert_matches_transformers(folder, prompts_for(text.vocab_size), 16, reference=ref)
+    assert_matches_transformers(folder, prompts_for(text.vocab_size), 16, reference=ref)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_harness import transformers_greedy
 
+from family_harness import transformers_greedy
 from infire import LLM, SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from family_harness import engine_run, prompts_for
+from family_harness import assert_matches_transformers, engine_run, prompts_for
 from gguf_writer import common_metadata, hf_config, hf_tensors, llama_like_tensors, write_gguf
 from infire.errors import ModelLoadError
 from infire.layers.kv_spec import AttentionWindow
@@ -53,44 +53,11 @@ VARIANTS: dict[str, dict[str, object]] = {
 }  # fmt: skip
 
 
-def _transformers(
-    folder: Path, prompts: list[list[int]], ours: list[list[int]], new_tokens: int
-) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """transformers' logits at our sampling positions (one full forward per sequence) and
-    its own greedy generation, which like ours does not stop or swerve at EOS."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    logits, tokens = [], []
-    with torch.no_grad():
-        for prompt, generated in zip(prompts, ours, strict=True):
-            ids = torch.tensor([prompt + generated[:-1]])
-            logits.append(model(ids).logits[0, len(prompt) - 1 :])
-            out = model.generate(
-                torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
-            )
-            tokens.append(out[0, len(prompt) :].tolist())
-    return logits, tokens
-
-
-def _assert_matches_transformers(folder: Path, prompts: list[list[int]], new_tokens: int):
-    run = engine_run(folder, prompts, new_tokens)
-    want_logits, want_tokens = _transformers(folder, prompts, run.tokens, new_tokens)
-    for index, (ours, theirs) in enumerate(zip(run.logits, want_logits, strict=True)):
-        assert len(ours) == new_tokens == theirs.shape[0]
-        for step, row in enumerate(ours):
-            diff = (row - theirs[step]).abs().max().item()
-            assert diff < TOLERANCE, (index, step, diff)
-    assert run.tokens == want_tokens
-    return run
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_variants_match_transformers(tmp_path: Path, variant: str):
     folder = write_tiny_model(tmp_path / variant, "llama4_text", seed=5, **VARIANTS[variant])
     vocab = load_model(folder, torch.float32).config.vocab_size
-    run = _assert_matches_transformers(folder, prompts_for(vocab), NEW_TOKENS)
+    run = assert_matches_transformers(folder, prompts_for(vocab), NEW_TOKENS)
     if variant == "temperature_tuning":  # the scales really vary over these positions
         scales = run.runner.model.position_inputs(torch.arange(69), torch.float32).attn_scales
         assert scales is not None and scales.min() == 1.0 and scales.max() > 2.0
@@ -111,7 +78,7 @@ def test_a_long_generation_keeps_the_chunked_pool_bounded(tmp_path: Path):
     vocab = load_model(folder, torch.float32).config.vocab_size
     prompts = prompts_for(vocab, (37,))
     new_tokens = 150  # 187 tokens: 23 chunks of 8, 47 blocks of 4 in the full pool
-    run = _assert_matches_transformers(folder, prompts, new_tokens)
+    run = assert_matches_transformers(folder, prompts, new_tokens)
     (window,) = run.runner.windows
     bound = window.max_blocks(16, run.runner.block_size)  # engine_run's budget
     assert 0 < run.window_blocks_peak[0] <= bound < 47

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -37,8 +38,33 @@ def test_unsupported_model_type(tiny_llama: Path, tmp_path: Path):
     folder = shutil.copytree(tiny_llama, tmp_path / "gpt2ish")
     config = folder / "config.json"
     config.write_text(config.read_text().replace('"llama"', '"gpt2"'))
-    with pytest.raises(UnsupportedModelError, match="gpt2"):
+    with pytest.raises(UnsupportedModelError, match="gpt2") as error:
         load_model(folder, torch.float32)
+    assert "supported: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral" in str(error.value)
+
+
+def test_an_unknown_multimodal_class_is_refused_by_its_name(tiny_llama: Path, tmp_path: Path):
+    folder = shutil.copytree(tiny_llama, tmp_path / "llava")
+    config = json.loads((folder / "config.json").read_text())
+    text = {**config, "model_type": "llama"}
+    config = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+              "text_config": text}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="LlavaForConditionalGeneration"):
+        load_model(folder, torch.float32)
+
+
+def test_gemma3_fields_a_config_leaves_out_take_transformers_defaults(tmp_path: Path):
+    from tiny_models import write_tiny_model
+
+    folder = write_tiny_model(tmp_path / "gemma", "gemma3_text")
+    config = json.loads((folder / "config.json").read_text())
+    for field in ("max_position_embeddings", "query_pre_attn_scalar", "tie_word_embeddings"):
+        del config[field]  # as the 4B-27B checkpoints' text_config leave them out
+    (folder / "config.json").write_text(json.dumps(config))
+    loaded = load_model(folder, torch.float32).config
+    assert loaded.max_position_embeddings == 131072
+    assert loaded.tie_word_embeddings
 
 
 def test_missing_tensor(tiny_llama: Path, tmp_path: Path):

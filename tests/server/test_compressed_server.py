@@ -3,6 +3,7 @@ distribution form decoded at load; both answer like the bf16 original over HTTP.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import httpx
@@ -40,4 +41,8 @@ def test_compressed_folder_is_served(form: str, tiny_llama_bf16: Path, tmp_path:
     finally:
         server.stop()
     status = "active, palette weights" if form == "palette" else "active"
-    assert f"ready: {folder.name} ({status})" in server.log.read_text()
+    # the tiny Llama: 2 layers x K and V x 2 KV heads x 16 dims x 2 bytes (bf16) a token
+    ready = re.search(rf"ready: {folder.name} \((.*)\)\n", server.log.read_text())
+    assert ready is not None
+    assert ready.group(1).startswith("llama, ") and ready.group(1).endswith(f"CPU kernels {status}")
+    assert " KV tokens of 256 bytes" in ready.group(1)

@@ -224,7 +224,8 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release every block of seq; cached blocks stay reusable until evicted."""
-        for pool, table in zip(self.windows, seq.window_block_tables, strict=True):
+        # a waiting or preempted sequence holds no window tables
+        for pool, table in zip(self.windows, seq.window_block_tables, strict=False):
             for block in reversed(table):
                 if block >= 0:
                     pool.release(block)

@@ -127,33 +127,36 @@ class ModelRunner:
         return self.kv_spec.bytes_per_token(self.dtype)
 
     def _blocks_per_group(self, cache: CacheConfig, limits: SchedulerConfig) -> list[int]:
-        """Blocks of each KV group. A windowed group needs at most a window (plus a chunk)
-        per running sequence; the full-attention group gets the rest of the budget."""
+        """Blocks of each KV group. A windowed group gets what `max_num_seqs` windows and
+        a step's chunk can use, at most half the budget (shrunk in proportion when that
+        is too little); the full-attention group gets the rest."""
         groups = self.kv_spec.groups
         if cache.num_blocks:
             return [cache.num_blocks] * len(groups)
-        itemsize, bs = self.dtype.itemsize, self.block_size
+        itemsize, bs, budget = self.dtype.itemsize, self.block_size, cache.kv_cache_memory
         per_block = [g.elements_per_token * bs * itemsize for g in groups]
-        caps = [
-            limits.max_num_seqs * g.window.max_blocks(limits.max_num_batched_tokens, bs)
-            for g in groups[1:]
+        windows = [g.window for g in groups[1:]]
+        wanted = [
+            w.pool_blocks(limits.max_num_seqs, limits.max_num_batched_tokens, bs) for w in windows
         ]  # fmt: skip
-        budget = cache.kv_cache_memory
-        full = (budget - sum(c * b for c, b in zip(caps, per_block[1:], strict=True))) // max(
-            per_block[0], 1
-        )
-        if full < max(caps, default=0):  # too small to cap the windows: share evenly
-            full = budget // max(sum(per_block), 1)
-            caps = [full] * len(caps)
-        if not per_block[0]:  # no full-attention layer: group 0 only counts blocks
+        wanted_bytes = sum(n * b for n, b in zip(wanted, per_block[1:], strict=True))
+        share = budget if not per_block[0] else budget // 2  # what the windows may take
+        if wanted_bytes > share:
+            wanted = [n * share // wanted_bytes for n in wanted]
+        used = sum(n * b for n, b in zip(wanted, per_block[1:], strict=True))
+        if per_block[0]:
+            full = (budget - used) // per_block[0]
+        else:  # no full-attention layer: group 0 only counts blocks, it holds no tensor
             context = limits.max_model_len or self.config.max_position_embeddings
             full = limits.max_num_seqs * -(-context // bs)
-        if full < 1:
+        least = [w.max_blocks(limits.max_num_batched_tokens, bs) for w in windows]
+        if full < 1 or any(n < m for n, m in zip(wanted, least, strict=True)):
             raise ModelLoadError(
-                f"--kv-cache-memory {cache.kv_cache_memory} bytes is less than one "
-                f"KV block ({sum(per_block)} bytes)"
+                f"--kv-cache-memory {budget} bytes is too small: it needs one KV block of the "
+                f"full-attention layers ({per_block[0]} bytes) and, per windowed group, the "
+                f"blocks of one window and one step's {limits.max_num_batched_tokens} tokens"
             )
-        return [int(full), *(int(min(c, full) if per_block[0] else c) for c in caps)]
+        return [int(full), *(int(n) for n in wanted)]
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSequence]) -> StepResult:

@@ -41,6 +41,12 @@ class AttentionWindow:
             return (positions - self.size + 1).clamp(min=0)
         return positions // self.size * self.size
 
+    def pool_blocks(self, num_seqs: int, num_batched_tokens: int, block_size: int) -> int:
+        """Blocks a pool needs so that `num_seqs` sequences each keep a window, and a
+        step's `num_batched_tokens` new tokens (spread over them) have blocks too."""
+        window = -(-(self.size - 1) // block_size) + 2
+        return num_seqs * window + -(-num_batched_tokens // block_size)
+
     def max_blocks(self, num_new_tokens: int, block_size: int) -> int:
         """The most blocks one sequence holds in this window while computing a chunk of
         `num_new_tokens` (keys from the first token's window to the last new token)."""

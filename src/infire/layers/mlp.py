@@ -15,8 +15,6 @@ from torch import nn
 from infire.layers.linear import ColumnParallelLinear, RowParallelLinear
 from infire.parallel import SINGLE, TensorParallelGroup
 
-ACTIVATIONS = ("silu", "gelu_tanh")
-
 
 def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     """act(gate) * up of a [..., 2 * I] tensor holding gate then up."""

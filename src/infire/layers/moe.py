@@ -119,6 +119,9 @@ class FusedMoE(nn.Module):
         """sum over each token's k experts of weight * expert(x); x [T, H], expert_ids and
         weights [T, k]. weights None: unweighted outputs; input_weights [T, k]: each
         (token, expert) pair's input is scaled instead (Llama 4: expert(weight * x))."""
+        if x.shape[0] == 1:  # one sequence decoding: no sort, gather or scatter
+            out = self._one_token(x, expert_ids[0].tolist(), weights, input_weights)
+            return self.tp.all_reduce(out) if reduce else out
         top_k = expert_ids.shape[1]
         flat = expert_ids.flatten()
         order = torch.argsort(flat, stable=True)
@@ -138,8 +141,32 @@ class FusedMoE(nn.Module):
                 start += count
         if weights is not None:
             outputs = outputs * weights.flatten()[order].unsqueeze(1).to(outputs.dtype)
-        out = torch.zeros_like(x).index_add_(0, token_of, outputs)
+        # the k experts' outputs are summed in float32, as DeepSeek's reference does
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        out = out.index_add_(0, token_of, outputs.float()).to(x.dtype)
         return self.tp.all_reduce(out) if reduce else out
+
+    def _one_token(
+        self,
+        x: torch.Tensor,
+        ids: list[int],
+        weights: torch.Tensor | None,
+        input_weights: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """forward of a single token with the batched path's bits: its experts' outputs
+        summed in ascending expert order in float32, rounded once."""
+        out = None
+        for j in sorted(range(len(ids)), key=ids.__getitem__):
+            inputs = x if input_weights is None else x * input_weights[:, j : j + 1].to(x.dtype)
+            gate_up = self._project(inputs, self.w13, self.packed_w13, ids[j])
+            y = self._project(
+                gated_activation(gate_up, self.activation), self.w2, self.packed_w2, ids[j]
+            )
+            if weights is not None:
+                y = y * weights[:, j : j + 1].to(y.dtype)
+            out = y.float() if out is None else out.add_(y)
+        assert out is not None
+        return out.to(x.dtype)
 
     def pack_for_cpu(self) -> bool:
         """Replace w13 and w2 by oneDNN-packed copies, one per expert, freeing the stacked
@@ -180,12 +207,12 @@ class FusedMoE(nn.Module):
         if shard_index == ALL_SHARDS:
             self._load_stacked(name, loaded)
         elif name == "w13":
-            _expect(loaded, (self.full_intermediate, hidden))
+            expect_shape(loaded, (self.full_intermediate, hidden))
             expert, part = divmod(shard_index, 2)
             target = self.w13.data[expert, part * self.size : (part + 1) * self.size]
             loaded.read_into(target, 0, self.start, self.size)
         elif name == "w2":
-            _expect(loaded, (hidden, self.full_intermediate))
+            expect_shape(loaded, (hidden, self.full_intermediate))
             loaded.read_into(self.w2.data[shard_index], 1, self.start, self.size)
         else:
             raise KeyError(f"experts have no {name}")
@@ -193,12 +220,12 @@ class FusedMoE(nn.Module):
     def _load_stacked(self, name: str, loaded: LazyTensor) -> None:
         experts, hidden, inter = self.num_experts, self.w13.shape[2], self.full_intermediate
         if name == "w13":
-            _expect(loaded, (experts, hidden, 2 * inter))
+            expect_shape(loaded, (experts, hidden, 2 * inter))
             for part in range(2):
                 values = loaded.read(2, part * inter + self.start, self.size)
                 self.w13.data[:, part * self.size : (part + 1) * self.size] = values.transpose(1, 2)
         elif name == "w2":
-            _expect(loaded, (experts, inter, hidden))
+            expect_shape(loaded, (experts, inter, hidden))
             self.w2.data.copy_(loaded.read(1, self.start, self.size).transpose(1, 2))
         else:
             raise KeyError(f"experts have no {name}")
@@ -208,6 +235,7 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
 
 
-def _expect(loaded: LazyTensor, shape: tuple[int, ...]) -> None:
+def expect_shape(loaded: LazyTensor, shape: tuple[int, ...]) -> None:
+    """Refuse (ValueError) a checkpoint tensor of another shape."""
     if tuple(loaded.shape) != shape:
         raise ValueError(f"expected shape {list(shape)}, got {list(loaded.shape)}")

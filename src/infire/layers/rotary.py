@@ -112,12 +112,6 @@ class RotaryEmbedding(nn.Module):
         cos_sin = self.cos_sin(positions, torch.float32)
         return cos_sin[0, :, 0], cos_sin[1, :, 0]
 
-    def rotate(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D] rotated with this embedding's pairing."""
-        if self.interleaved:
-            return apply_rotary_interleaved(x, cos_sin)
-        return apply_rotary(x, cos_sin)
-
 
 def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     """RoPE on x [T, heads, D] (q and k heads together) with cos/sin from cos_sin()."""

@@ -94,6 +94,9 @@ class CausalLM(nn.Module):
 
     # --- what a family defines ---------------------------------------------------------
 
+    # what transformers' config class fills in where a config.json leaves a field out
+    hf_config_defaults: ClassVar[dict[str, Any]] = {}
+
     @classmethod
     def hf_config_fields(cls, raw: dict[str, Any]) -> dict[str, Any]:
         """The fields of `config_class` beyond ModelConfig's, from a config.json."""

@@ -81,6 +81,7 @@ def config_from_hf(raw: dict[str, Any], generation: dict[str, Any], where: Path)
 
     raw = text_config(raw)
     family = family_of_hf(raw, where)
+    raw = {**family.model_class.hf_config_defaults, **raw}
     arch = family.architecture
     try:
         heads = raw["num_attention_heads"]

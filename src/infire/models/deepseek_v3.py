@@ -31,7 +31,7 @@ from infire.layers.attention import AttentionMetadata, PagedAttention
 from infire.layers.kv_spec import KVCacheSpec, KVGroupSpec
 from infire.layers.linear import ColumnParallelLinear, RowParallelLinear
 from infire.layers.mlp import GatedMLP, activation_of
-from infire.layers.moe import ALL_SHARDS, FusedMoE, grouped_topk
+from infire.layers.moe import ALL_SHARDS, FusedMoE, expect_shape, grouped_topk
 from infire.layers.norm import RMSNorm
 from infire.layers.rotary import (
     RotaryEmbedding,
@@ -136,14 +136,14 @@ class LatentProjection(nn.Module):
         heads, nope, value, latent = self.full_heads, self.nope_dim, self.value_dim, self.latent_dim
         first, count = self.first_head, self.num_heads
         if shard_index == ALL_SHARDS:
-            _expect(loaded, (heads * (nope + value), latent))
+            expect_shape(loaded, (heads * (nope + value), latent))
             rows = nope + value
             loaded.read_into(self.weight.data.view(-1, latent), 0, first * rows, count * rows)
         elif shard_index == 0:
-            _expect(loaded, (heads, latent, nope))
+            expect_shape(loaded, (heads, latent, nope))
             self.weight.data[:, :nope] = loaded.read(0, first, count).transpose(1, 2)
         else:
-            _expect(loaded, (heads, value, latent))
+            expect_shape(loaded, (heads, value, latent))
             loaded.read_into(self.weight.data[:, nope:], 0, first, count)
 
 
@@ -249,7 +249,7 @@ class TopkRouter(nn.Module):
         if name not in ("weight", "e_score_correction_bias"):
             raise KeyError(f"the router has no {name}")
         param = self.weight if name == "weight" else self.e_score_correction_bias
-        _expect(loaded, tuple(param.shape))
+        expect_shape(loaded, tuple(param.shape))
         loaded.read_into(param.data)
 
 
@@ -301,17 +301,19 @@ class DeepseekV3ForCausalLM(CausalLM):
     def hf_config_fields(cls, raw: dict[str, Any]) -> dict[str, Any]:
         """MLA dimensions and routing, with transformers' defaults for what is absent."""
         if activation_of(raw.get("hidden_act", "silu")) != "silu":
-            raise ValueError(f"hidden_act {raw['hidden_act']!r} (DeepSeek-V3 uses silu)")
+            raise UnsupportedModelError(f"hidden_act {raw['hidden_act']!r} (DeepSeek-V3 uses silu)")
         if raw.get("scoring_func", "sigmoid") != "sigmoid":
-            raise ValueError(f"scoring_func {raw['scoring_func']!r}: only sigmoid is supported")
+            raise UnsupportedModelError(
+                f"scoring_func {raw['scoring_func']!r}: only sigmoid is supported"
+            )
         if raw.get("quantization_config"):
             method = raw["quantization_config"].get("quant_method", "?")
-            raise ValueError(
+            raise UnsupportedModelError(
                 f"quantized checkpoint ({method}, as DeepSeek-V3's and Kimi K2's FP8 releases "
                 "are) is not supported: use a bfloat16 conversion or a GGUF file"
             )
         if raw.get("moe_layer_freq", 1) != 1:
-            raise ValueError(
+            raise UnsupportedModelError(
                 f"moe_layer_freq {raw['moe_layer_freq']} (transformers runs every layer "
                 "after first_k_dense_replace as MoE)"
             )
@@ -424,8 +426,3 @@ class DeepseekV3ForCausalLM(CausalLM):
         if match is not None and int(match.group(1)) >= self.config.num_hidden_layers:
             return None
         return super()._resolve(hf_name)
-
-
-def _expect(loaded: LazyTensor, shape: tuple[int, ...]) -> None:
-    if tuple(loaded.shape) != shape:
-        raise ValueError(f"expected shape {list(shape)}, got {list(loaded.shape)}")

@@ -109,6 +109,15 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3ForCausalLM(CausalLM):
     """Gemma 3 text models (270M, 1B, and the language model of 4B-27B)."""
 
+    # Gemma3TextConfig's defaults: the 4B-27B checkpoints' config.json leave these out
+    hf_config_defaults: ClassVar[dict[str, Any]] = {
+        "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+        "sliding_window": 4096, "rope_theta": 1_000_000.0, "bos_token_id": 2, "eos_token_id": 1,
+    }  # fmt: skip
+
     config_class: ClassVar[type[ModelConfig]] = Gemma3Config
     # Gemma3ForConditionalGeneration's language model: language_model.model.* in its
     # checkpoints (the Hub's and transformers' save_pretrained), model.language_model.*

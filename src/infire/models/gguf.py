@@ -16,7 +16,7 @@ import contextlib
 import math
 import mmap
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tokenizers
@@ -30,6 +30,10 @@ from infire.config import ModelConfig, RopeScaling
 from infire.errors import ModelLoadError, UnsupportedModelError
 from infire.models.weights import WeightSource
 from infire.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from infire.models.base import CausalLM
+    from infire.models.registry import ModelFamily
 
 # llama.cpp writes Mistral (and Llama 2/3, SmolLM, ...) with the Llama converter, which
 # permutes q/k rows; Qwen2's converter leaves them as they are.
@@ -169,7 +173,7 @@ def _model_config(
     metadata: dict[str, Any],
     tensors: dict[str, ReaderTensor],
     file_arch: str,
-    family: Any,
+    family: ModelFamily,
     path: Path,
 ) -> ModelConfig:
     def required(key: str) -> Any:
@@ -366,7 +370,7 @@ class GGUFSource(WeightSource):
         file_arch: str,
         dtype: torch.dtype,
         path: Path,
-        model_class: Any = None,
+        model_class: type[CausalLM] | None = None,
     ) -> None:
         super().__init__(dtype)
         # Only the tensors' views of the memory map are kept, not the reader: its parsed

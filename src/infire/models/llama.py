@@ -20,6 +20,7 @@ from infire.layers.mlp import GatedMLP
 from infire.layers.norm import RMSNorm
 from infire.layers.self_attention import SelfAttention
 from infire.models.base import CausalLM
+from infire.parallel import TensorParallelGroup
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -43,6 +44,15 @@ class LlamaDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+def llama_attention(config: ModelConfig, tp: TensorParallelGroup) -> SelfAttention:
+    """Llama's GQA attention (q/k/v biases where the config has them)."""
+    c = config
+    return SelfAttention(
+        c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, tp,
+        bias=c.attention_bias,
+    )  # fmt: skip
+
+
 def sliding_window_of(raw: dict[str, Any]) -> dict[str, Any]:
     """The `sliding_window` field of a config.json: Mistral's and Mixtral's apply to every
     layer; Qwen's apply only where `use_sliding_window` (refused: released models keep it
@@ -58,7 +68,10 @@ def uniform_kv_spec(config: ModelConfig) -> KVCacheSpec:
     """Every layer's K and V of num_key_value_heads x head_dim, windowed where the config
     gives every layer a sliding window."""
     per_layer = 2 * config.num_key_value_heads * config.head_dim
-    window = AttentionWindow("sliding", config.sliding_window) if config.sliding_window else None
+    size = config.sliding_window
+    # a window as long as the context cuts nothing: full attention (and the fused forward)
+    cuts = size is not None and 0 < size < config.max_position_embeddings
+    window = AttentionWindow("sliding", size) if cuts else None
     layers = config.num_hidden_layers
     return kv_cache_spec_by_window([window] * layers, [per_layer] * layers)
 
@@ -81,9 +94,5 @@ class LlamaForCausalLM(CausalLM):
     def make_layer(self, index: int) -> nn.Module:
         """One Llama block."""
         c = self.config
-        attention = SelfAttention(
-            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, self.tp,
-            bias=c.attention_bias,
-        )  # fmt: skip
         mlp = GatedMLP(c.hidden_size, c.intermediate_size, self.tp)
-        return LlamaDecoderLayer(c, attention, mlp)
+        return LlamaDecoderLayer(c, llama_attention(c, self.tp), mlp)

@@ -142,6 +142,11 @@ class Llama4ForCausalLM(CausalLM):
             "chunked_attention" if uses_rope and chunk is not None else "full_attention"
             for uses_rope in rope[:layers]
         ]
+        if len(rope) < layers or len(types) < layers:
+            raise ModelLoadError(
+                f"no_rope_layers ({len(rope)}) and layer_types ({len(types)}) need an entry "
+                f"for each of the {layers} layers"
+            )
         return {
             "num_experts": raw.get("num_local_experts", 16),
             "num_experts_per_tok": raw.get("num_experts_per_tok", 1),

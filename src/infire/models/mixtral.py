@@ -20,9 +20,13 @@ from infire.errors import ModelLoadError
 from infire.layers.kv_spec import KVCacheSpec
 from infire.layers.linear import ColumnParallelLinear
 from infire.layers.moe import FusedMoE, softmax_topk
-from infire.layers.self_attention import SelfAttention
 from infire.models.base import CausalLM
-from infire.models.llama import LlamaDecoderLayer, sliding_window_of, uniform_kv_spec
+from infire.models.llama import (
+    LlamaDecoderLayer,
+    llama_attention,
+    sliding_window_of,
+    uniform_kv_spec,
+)
 from infire.parallel import TensorParallelGroup
 
 
@@ -54,6 +58,28 @@ def check_expert_split(config: MoEConfig, tp_size: int) -> None:
         )
 
 
+def gguf_expert_fields(metadata: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """The MoEConfig fields llama.cpp writes as `{arch}.expert_*` (it makes every layer
+    sparse and renormalizes the top-k weights)."""
+    return {
+        "num_experts": int(metadata[f"{prefix}.expert_count"]),
+        "num_experts_per_tok": int(metadata[f"{prefix}.expert_used_count"]),
+        "norm_topk_prob": True,
+        "sparse_layers": tuple(range(int(metadata[f"{prefix}.block_count"]))),
+    }
+
+
+class SplitsExperts:
+    """Mixin of the MoE families: the base split rules, and experts that split by
+    intermediate features."""
+
+    @classmethod
+    def check_parallel(cls, config: ModelConfig, tp_size: int) -> None:
+        """Refuse a model whose heads, MLP or experts cannot split over tp_size ranks."""
+        super().check_parallel(config, tp_size)  # type: ignore[misc]
+        check_expert_split(config, tp_size)  # type: ignore[arg-type]
+
+
 class SparseMoeBlock(nn.Module):
     """Router (replicated: every rank routes the same way) + softmax top-k experts."""
 
@@ -70,7 +96,7 @@ class SparseMoeBlock(nn.Module):
         return self.experts(x, ids, weights.to(x.dtype))
 
 
-class MixtralForCausalLM(CausalLM):
+class MixtralForCausalLM(SplitsExperts, CausalLM):
     """Mixtral 8x7B / 8x22B and other Llama-with-experts models."""
 
     config_class: ClassVar[type[ModelConfig]] = MoEConfig
@@ -95,24 +121,10 @@ class MixtralForCausalLM(CausalLM):
     @classmethod
     def gguf_config_fields(cls, metadata: dict[str, Any], prefix: str) -> dict[str, Any]:
         """The same from llama.cpp's `llama.expert_*` keys."""
-        return {
-            "num_experts": int(metadata[f"{prefix}.expert_count"]),
-            "num_experts_per_tok": int(metadata[f"{prefix}.expert_used_count"]),
-            "norm_topk_prob": True,
-            "sparse_layers": tuple(range(int(metadata[f"{prefix}.block_count"]))),
-        }
-
-    @classmethod
-    def check_parallel(cls, config: ModelConfig, tp_size: int) -> None:
-        """The Llama rules, and experts that split by intermediate features."""
-        super().check_parallel(config, tp_size)
-        check_expert_split(config, tp_size)
+        return gguf_expert_fields(metadata, prefix)
 
     def make_layer(self, index: int) -> nn.Module:
         """A Llama block with the sparse MoE as its MLP."""
-        c = self.config
-        attention = SelfAttention(
-            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, self.tp,
-            bias=c.attention_bias,
-        )  # fmt: skip
-        return LlamaDecoderLayer(c, attention, SparseMoeBlock(c, self.tp))
+        return LlamaDecoderLayer(
+            self.config, llama_attention(self.config, self.tp), SparseMoeBlock(self.config, self.tp)
+        )

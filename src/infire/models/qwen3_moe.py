@@ -14,11 +14,11 @@ from torch import nn
 from infire.config import ModelConfig
 from infire.layers.mlp import GatedMLP
 from infire.models.llama import LlamaDecoderLayer
-from infire.models.mixtral import MoEConfig, SparseMoeBlock, check_expert_split
+from infire.models.mixtral import MoEConfig, SparseMoeBlock, SplitsExperts, gguf_expert_fields
 from infire.models.qwen3 import Qwen3ForCausalLM
 
 
-class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+class Qwen3MoeForCausalLM(SplitsExperts, Qwen3ForCausalLM):
     """Qwen3-30B-A3B, Qwen3-235B-A22B and their kin."""
 
     config_class: ClassVar[type[ModelConfig]] = MoEConfig
@@ -41,19 +41,8 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     @classmethod
     def gguf_config_fields(cls, metadata: dict[str, Any], prefix: str) -> dict[str, Any]:
         """From llama.cpp's `qwen3moe.expert_*` keys (every layer sparse, as it assumes)."""
-        return {
-            "num_experts": int(metadata[f"{prefix}.expert_count"]),
-            "num_experts_per_tok": int(metadata[f"{prefix}.expert_used_count"]),
-            "moe_intermediate_size": int(metadata[f"{prefix}.expert_feed_forward_length"]),
-            "norm_topk_prob": True,
-            "sparse_layers": tuple(range(int(metadata[f"{prefix}.block_count"]))),
-        }
-
-    @classmethod
-    def check_parallel(cls, config: ModelConfig, tp_size: int) -> None:
-        """The Llama rules, and experts that split by intermediate features."""
-        super().check_parallel(config, tp_size)
-        check_expert_split(config, tp_size)
+        size = int(metadata[f"{prefix}.expert_feed_forward_length"])
+        return gguf_expert_fields(metadata, prefix) | {"moe_intermediate_size": size}
 
     def make_layer(self, index: int) -> nn.Module:
         """Qwen3 attention with the MoE (or, on a dense layer, a plain MLP)."""

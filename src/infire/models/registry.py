@@ -21,6 +21,7 @@ from infire.models.llama4 import Llama4ForCausalLM
 from infire.models.mixtral import MixtralForCausalLM
 from infire.models.qwen3 import Qwen3ForCausalLM
 from infire.models.qwen3_moe import Qwen3MoeForCausalLM
+from infire.parallel import check_parallel
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +89,6 @@ def family_named(architecture: str) -> ModelFamily:
 def check_split(config: ModelConfig, tp_size: int, pp_size: int) -> None:
     """Refuse (ModelLoadError naming the constraint) a model that cannot be cut into tp_size
     tensor-parallel ranks and pp_size pipeline stages, by its family's rules too."""
-    from infire.parallel import check_parallel
-
     check_parallel(config, tp_size, pp_size)
     family_named(config.architecture).model_class.check_parallel(config, tp_size)
 
@@ -103,6 +102,8 @@ def family_of_hf(raw: dict[str, Any], where: object) -> ModelFamily:
         agrees = not model_type or model_type in family.hf_model_types
         if agrees and any(name in family.hf_architectures for name in names):
             return family
+    if "text_config" in raw:  # a multimodal class we do not know: not its text model's
+        model_type = ""
     for family in FAMILIES:
         if model_type in family.hf_model_types:
             return family
