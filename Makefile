@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
 .PHONY: install serve chat test lint format bench bench-serve bench-unweight bench-gateway \
-	bench-parallel
+	bench-parallel bench-moe
 
 install: $(STAMP)
 
@@ -56,6 +56,9 @@ bench-parallel: install
 	$(BIN)/python benchmarks/bench_engine_process.py
 	$(BIN)/python benchmarks/bench_penalties.py
 	$(BIN)/python benchmarks/bench_load_memory.py
+
+bench-moe: install
+	$(BIN)/python benchmarks/bench_moe.py
 
 # LiteLLM's proxy lives in its own venv (git-ignored), apart from infire's dependencies.
 bench-gateway: install
