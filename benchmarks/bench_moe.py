@@ -13,12 +13,15 @@ Measured, greedy and ignoring EOS, on the same token-id prompts for both peers:
     bandwidth being the highest measured in the run (torch.sum over 1 GiB of float32,
     best of 5: at the start, before each decode round, at the end); each decode round is
     also set against the bandwidth measured just before it;
-(c) the experts alone: every layer's FusedMoE on one token routed to k experts, i.e. the
-    rate at which infire's expert matmuls stream their weights, apart from the rest;
+(c) the experts alone: every layer's FusedMoE (the PyTorch path) on one token routed to
+    k experts, i.e. the rate at which oneDNN's expert matmuls stream their weights;
 (d) batch throughput: 16 requests of 64 prompt + 64 new tokens in one call, output
     tok/s, infire vs transformers (`generate`, bf16, left padding);
-(e) where infire's decode step goes: time inside attention, experts, router, norms, the
-    LM head and outside the model per decoded token (forward hooks on the modules).
+(e) where a PyTorch-path decode step goes: time inside attention, experts, router,
+    norms, the LM head and outside the model per decoded token (forward hooks).
+infire runs three ways: its fused CPU forward (the default: routed experts in C), its
+PyTorch path (--no-cpu-kernels: FusedMoE with each expert prepacked for oneDNN) and, as
+the before of that packing, the PyTorch path with plain stacked expert weights.
 Peers alternate within each round (A B A B); every measurement waits for an idle machine
 and is repeated (up to 3 times) if other processes took CPU meanwhile (machine_load.py),
 and medians are over the undisturbed ones. Results: benchmarks/results/moe.json (with the
@@ -56,7 +59,8 @@ RESULTS_DIR = ROOT / "benchmarks" / "results"
 SEED = 0
 DEFAULT_MAX_OTHERS_CORES = 0.15
 TARGET_FRACTION = 0.70
-UNPACKED = "infire bfloat16, experts unpacked"
+UNPACKED = "infire bfloat16, PyTorch path, experts unpacked"
+PYTORCH = "infire bfloat16, PyTorch path"
 _START = time.perf_counter()
 T = TypeVar("T")
 
@@ -209,23 +213,24 @@ def bytes_per_token(shape: MoEShape, context: float, itemsize: int) -> dict[str,
 
 
 class InfireMoE:
-    """infire's offline API on the benchmark model, bf16, prefix caching off. With
-    pack_experts False, FusedMoE keeps its plain stacked weights (F.linear, what it ran
-    before it was packed for oneDNN): the "before" of the experts' packing."""
+    """infire's offline API on the benchmark model, bf16, prefix caching off: the fused CPU
+    forward (routed experts in C), or with `cpu_kernels` False the PyTorch path (FusedMoE,
+    each expert prepacked for oneDNN; with pack_experts False too, its plain stacked
+    weights under F.linear, what it ran before it was packed)."""
 
     child_pids: tuple[int, ...] = ()
 
-    def __init__(self, folder: Path, pack_experts: bool = True) -> None:
+    def __init__(self, folder: Path, pack_experts: bool = True, cpu_kernels: bool = True) -> None:
         from infire import LLM, SamplingParams
         from infire.layers.moe import FusedMoE
 
         self._params = SamplingParams
-        self.label = UNPACKED if not pack_experts else "infire bfloat16"
+        self.label = "infire bfloat16" if cpu_kernels else PYTORCH if pack_experts else UNPACKED
         pack = FusedMoE.pack_for_cpu if pack_experts else lambda _: True
         with patch.object(FusedMoE, "pack_for_cpu", pack):
             self.llm = LLM(
                 model=str(folder), dtype="bfloat16", enable_prefix_caching=False,
-                kv_cache_memory=512 * 1024**2,
+                kv_cache_memory=512 * 1024**2, cpu_kernels=cpu_kernels,
             )  # fmt: skip
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> Generation:
@@ -485,21 +490,24 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth_before = measure_bandwidth(plan, "at the start")
     log("loading infire bfloat16")
     peers: list[Any] = [InfireMoE(folder)]
+    log(f"loading {PYTORCH}")
+    pytorch_path = InfireMoE(folder, cpu_kernels=False)
+    peers.append(pytorch_path)
     if not args.skip_unpacked:
         log(f"loading {UNPACKED}")
-        peers.append(InfireMoE(folder, pack_experts=False))
+        peers.append(InfireMoE(folder, pack_experts=False, cpu_kernels=False))
     if not args.skip_transformers:
         log("loading transformers bfloat16")
         peers.append(load_transformers(folder))
     samples = {peer_label(p): PeerSamples(peer_label(p)) for p in peers}
     try:
         round_bandwidth = run_rounds(peers, samples, plan, args.max_others_cores)
-        log("experts alone (infire's FusedMoE, one token)")
-        measure = partial(experts_rate, peers[0].model, plan.shape, plan.experts_repeats)
+        log("experts alone (infire's FusedMoE on the PyTorch path, one token)")
+        measure = partial(experts_rate, pytorch_path.model, plan.shape, plan.experts_repeats)
         experts, _ = undisturbed(measure, args.max_others_cores)
-        log("where a decode step's time goes (forward hooks)")
+        log("where a PyTorch-path decode step's time goes (forward hooks)")
         prompt, _ = make_prompts(plan)
-        measure = partial(step_breakdown, peers[0], prompt, plan.decode_tokens)
+        measure = partial(step_breakdown, pytorch_path, prompt, plan.decode_tokens)
         breakdown, _ = undisturbed(measure, args.max_others_cores)
     finally:
         for peer in peers:
@@ -612,13 +620,20 @@ def markdown(result: dict[str, Any]) -> str:
         )
     lines += ["", f"infire's decode rounds against the bandwidth measured just before each: "
                   f"{result['decode_fraction_at_round_bandwidth']:.2f} of the roofline (median)."]  # fmt: skip
-    unpacked = result["summaries"].get(UNPACKED)
-    if unpacked:
-        mine = result["summaries"]["infire bfloat16"]
-        lines += ["", f"Experts packed for oneDNN / unpacked (F.linear): batch-1 decode "
-                      f"{mine['decode_tok_s'] / unpacked['decode_tok_s']:.2f}x, "
-                      f"batch-{plan['batch_size']} throughput "
-                      f"{mine['batch_tok_s'] / unpacked['batch_tok_s']:.2f}x."]  # fmt: skip
+    summaries = result["summaries"]
+    for before, what in (
+        (PYTORCH, "Fused forward / PyTorch path"),
+        (UNPACKED, "PyTorch path, experts packed for oneDNN / unpacked"),
+    ):
+        if before in summaries:
+            after = summaries["infire bfloat16" if before == PYTORCH else PYTORCH]
+            lines += [
+                "",
+                f"{what}: batch-1 decode "
+                f"{after['decode_tok_s'] / summaries[before]['decode_tok_s']:.2f}x, "
+                f"batch-{plan['batch_size']} throughput "
+                f"{after['batch_tok_s'] / summaries[before]['batch_tok_s']:.2f}x.",
+            ]
     if result["batch_ratio"]:
         lines += ["", f"infire / transformers: batch-1 decode {result['decode_ratio']:.2f}x, "
                       f"batch-{plan['batch_size']} throughput {result['batch_ratio']:.2f}x."]  # fmt: skip
@@ -685,7 +700,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     summaries = result["summaries"]
     labels = list(summaries)
     ticks = [name.replace(", ", ",\n") for name in labels]
-    palette = {"infire bfloat16": "#d9480f", UNPACKED: "#f08c00"}
+    palette = {"infire bfloat16": "#d9480f", PYTORCH: "#f08c00", UNPACKED: "#ffd43b"}
     colors = [palette.get(name, "#5c7cfa") for name in labels]
     figure, (left, middle, right) = plt.subplots(1, 3, figsize=(18, 6))
     roof = result["roofline_tok_s"]

@@ -73,7 +73,15 @@ def _fused_logits(runner: ModelRunner, blocks: BlockManager, seq: Sequence, n: i
     return logits[0]
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
+@pytest.fixture(scope="module")
+def tiny_mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Mixtral (4 experts, top-2): the fused forward routes its experts."""
+    from tiny_models import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-mixtral"), "mixtral", seed=6)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_mixtral"])
 def test_prefill_and_decode_match_transformers(fixture: str, request: pytest.FixtureRequest):
     folder = request.getfixturevalue(fixture)
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -154,12 +162,26 @@ def test_bfloat16_batching_chunking_and_prefix_cache_change_nothing(tiny_llama: 
     assert engine.runner.model.layers[0].mlp.down_proj.weight.numel() == 0
 
 
-def test_fp32_paths_agree_on_greedy_tokens(tiny_qwen2: Path):
+@pytest.mark.parametrize("fixture", ["tiny_qwen2", "tiny_mixtral"])
+def test_fp32_paths_agree_on_greedy_tokens(fixture: str, request: pytest.FixtureRequest):
+    model = request.getfixturevalue(fixture)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    prompts = [list(range(3, 30)), list(range(40, 45))]
-    fused = _generate(_engine(tiny_qwen2, "float32"), prompts, params)
-    plain = _generate(_engine(tiny_qwen2, "float32", cpu_kernels=False), prompts, params)
+    prompts = [list(range(3, 30)), list(range(40, 45)), [7] * 9, list(range(100, 131))]
+    fused = _generate(_engine(model, "float32"), prompts, params)
+    plain = _generate(_engine(model, "float32", cpu_kernels=False), prompts, params)
     assert fused == plain
+
+
+def test_bfloat16_mixtral_runs_every_step_fused(tiny_mixtral: Path):
+    """In bf16 the fused forward routes prefill and decode experts alike; batching and
+    chunking change nothing, and PyTorch's copy of the experts is freed."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [list(range(10, 40)) + [70 + i] * (3 + i) for i in range(4)]
+    solo = [_generate(_engine(tiny_mixtral, "bfloat16"), [p], params)[0] for p in prompts]
+    engine = _engine(tiny_mixtral, "bfloat16", budget=16)
+    assert _generate(engine, prompts, params) == solo
+    assert engine.runner.fused_status == "active"
+    assert engine.runner.model.layers[0].mlp.experts.w13.numel() == 0
 
 
 def test_compiler_failure_falls_back_to_pytorch(

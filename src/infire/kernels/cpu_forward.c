@@ -1,5 +1,6 @@
 /*
- * Forward pass of a Llama-family model on x86-64 CPUs with AVX2 and FMA, in one call.
+ * Forward pass of a Llama-family model (or Mixtral, its experts routed here too) on x86-64
+ * CPUs with AVX2 and FMA, in one call.
  *
  * Decoding one token per sequence is bound by memory bandwidth: every weight is read once
  * per step and used for a handful of multiply-adds. PyTorch spends that step in ~30
@@ -16,7 +17,9 @@
  *    whatever the number of tokens, so a sequence's result does not depend on its batch;
  *  - attention reads the paged KV pool through block tables with an online softmax;
  *  - bf16 weights may also be held in Unweight's palette form (12 bits a weight, see
- *    PaletteWeight), rebuilt tile by tile into the bf16 layout right before their dots.
+ *    PaletteWeight), rebuilt tile by tile into the bf16 layout right before their dots;
+ *  - a layer with routed experts picks each token's top k by softmax and runs every
+ *    expert once over the tokens routed to it, so its weights stream once per step.
  *
  * The layout of InfireModel is mirrored by a ctypes Structure in cpu_forward.py.
  */
@@ -24,6 +27,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <string.h>
 
 #define TILE_ROWS 4
 #define TILE_COLS 16
@@ -47,6 +51,13 @@ typedef struct {
     const void *embed;   /* [vocab, hidden] row-major, weight dtype; or a PaletteWeight */
     const void *lm_head; /* tiled, rows padded to TILE_ROWS */
     void *kv_cache;      /* [layers, 2, blocks, block_size, kv_heads, head_dim], kv dtype */
+    /* Mixtral-style experts: a layer whose router is not NULL runs them instead of its
+       dense MLP (softmax over num_experts, the top_k renormalized, SwiGLU experts of
+       `intermediate` features); num_experts 0: every layer dense */
+    int32_t num_experts, top_k;
+    const void *const *router;         /* per layer, tiled [num_experts rows] or NULL */
+    const void *const *expert_gate_up; /* [layer * num_experts + e], tiled [2 inter, hidden] */
+    const void *const *expert_down;    /* [layer * num_experts + e], tiled [hidden, inter] */
 } InfireModel;
 
 static inline float hsum(__m256 v) {
@@ -495,10 +506,72 @@ static void silu_mul(const float *gate_up, int n, int inter, float *out) {
     }
 }
 
+/*
+ * The routed experts of layer l for n tokens: x[t] += sum over t's top_k experts of
+ * weight * down(silu(gate(normed[t])) * up(normed[t])). Each expert runs once over the
+ * tokens routed to it (gathered into rows), so its weights stream once per step; a token
+ * sums its experts in ascending order. Called inside the parallel region; gate_up and act
+ * are the dense MLP's scratch, moe the experts' (see infire_forward_workspace).
+ */
+static void experts(const InfireModel *m, int l, const float *normed, int n, float *x,
+                    float *gate_up, float *act, float *moe) {
+    int h = m->hidden, inter = m->intermediate, num = m->num_experts, k = m->top_k;
+    float *logits = moe, *weights = logits + (long)n * num, *rows = weights + (long)n * k;
+    float *out = rows + (long)n * h, *acc = out + (long)n * h;
+    int32_t *ids = (int32_t *)(acc + (long)n * h);
+    linear(m, m->router[l], NULL, normed, n, h, logits, num, num, 0);
+#pragma omp for schedule(static)
+    for (int t = 0; t < n; t++) {
+        float *lg = logits + (long)t * num, top = lg[0], sum = 0.0f, chosen = 0.0f;
+        for (int e = 1; e < num; e++) top = lg[e] > top ? lg[e] : top;
+        for (int e = 0; e < num; e++) sum += (lg[e] = expf(lg[e] - top));
+        for (int j = 0; j < k; j++) { /* the k largest; ties to the lower expert */
+            int best = -1;
+            for (int e = 0; e < num; e++)
+                if (lg[e] >= 0.0f && (best < 0 || lg[e] > lg[best])) best = e;
+            ids[(long)t * k + j] = best;
+            weights[(long)t * k + j] = lg[best] / sum;
+            chosen += lg[best] / sum;
+            lg[best] = -1.0f; /* taken */
+        }
+        for (int j = 0; j < k; j++) weights[(long)t * k + j] /= chosen;
+        for (int i = 0; i < h; i++) acc[(long)t * h + i] = 0.0f;
+    }
+    int token[n], which[n]; /* this expert's tokens (every thread builds the same list) */
+    for (int e = 0; e < num; e++) {
+        int count = 0;
+        for (int t = 0; t < n; t++)
+            for (int j = 0; j < k; j++)
+                if (ids[(long)t * k + j] == e) {
+                    token[count] = t;
+                    which[count++] = j;
+                }
+        if (!count) continue;
+#pragma omp for schedule(static)
+        for (int i = 0; i < count; i++)
+            memcpy(rows + (long)i * h, normed + (long)token[i] * h, sizeof(float) * h);
+        long at = (long)l * num + e;
+        linear(m, m->expert_gate_up[at], NULL, rows, count, h, gate_up, 2 * inter, 2 * inter, 0);
+        silu_mul(gate_up, count, inter, act);
+        linear(m, m->expert_down[at], NULL, act, count, inter, out, h, h, 0);
+#pragma omp for schedule(static)
+        for (int i = 0; i < count; i++) { /* a token meets an expert once: rows are apart */
+            float w = weights[(long)token[i] * k + which[i]];
+            float *a = acc + (long)token[i] * h;
+            const float *o = out + (long)i * h;
+            for (int c = 0; c < h; c++) a[c] += w * o[c];
+        }
+    }
+#pragma omp for schedule(static)
+    for (int t = 0; t < n; t++)
+        for (int i = 0; i < h; i++) x[(long)t * h + i] += acc[(long)t * h + i];
+}
+
 /* Scratch floats infire_forward needs for n tokens. */
 long infire_forward_workspace(const InfireModel *m, int n) {
     long q = (long)m->num_heads * m->head_dim, kv = (long)m->num_kv_heads * m->head_dim;
-    return (long)n * (3L * m->hidden + q + 2 * kv + q + 3L * m->intermediate);
+    long moe = m->num_experts ? m->num_experts + 3L * m->top_k + 3L * m->hidden : 0;
+    return (long)n * (3L * m->hidden + q + 2 * kv + q + 3L * m->intermediate + moe);
 }
 
 /*
@@ -527,6 +600,10 @@ int infire_forward(const InfireModel *m, int n, const int64_t *token_ids,
             attention(m, l, qkv, n, positions, seq_of_token, block_tables, max_blocks, attn);
             linear(m, m->o_proj[l], NULL, attn, n, q, x, h, h, 1);
             rms_norm(x, m->norm2[l], normed, n, h, m->eps);
+            if (m->num_experts && m->router[l]) {
+                experts(m, l, normed, n, x, gate_up, act, last + (long)n * h);
+                continue;
+            }
             linear(m, m->gate_up[l], NULL, normed, n, h, gate_up, 2 * inter, 2 * inter, 0);
             silu_mul(gate_up, n, inter, act);
             linear(m, m->down[l], NULL, act, n, inter, x, h, h, 1);

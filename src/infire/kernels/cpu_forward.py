@@ -50,6 +50,9 @@ class _Model(ctypes.Structure):
         ("embed", _ptr),
         ("lm_head", _ptr),
         ("kv_cache", _ptr),
+        ("num_experts", ctypes.c_int32),
+        ("top_k", ctypes.c_int32),
+        *((name, ctypes.POINTER(_ptr)) for name in ("router", "expert_gate_up", "expert_down")),
     ]  # fmt: skip
 
 
@@ -166,6 +169,8 @@ def unsupported_reason(config: ModelConfig, dtype: torch.dtype, device: torch.de
             return f"{name} {size} is not a multiple of {TILE_COLS}"
     if config.head_dim % 8 or config.head_dim > MAX_HEAD_DIM:
         return f"head_dim {config.head_dim} (needs a multiple of 8, at most {MAX_HEAD_DIM})"
+    if getattr(config, "num_experts", 0) and not getattr(config, "norm_topk_prob", True):
+        return "experts whose top-k weights are not renormalized"
     return None
 
 
@@ -223,17 +228,32 @@ class CpuForward:
         def fp32(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.data.float().contiguous()
 
+        def tiled_or_none(layer_weights: list[torch.Tensor | None]) -> ctypes.Array:
+            return (_ptr * len(layer_weights))(
+                *(None if w is None else weight(w) for w in layer_weights)
+            )
+
         attn = [layer.self_attn for layer in layers]
         mlp = [layer.mlp for layer in layers]
+        moe = [getattr(m, "experts", None) for m in mlp]  # Mixtral's SparseMoeBlock
+        dense = [None if e is not None else m for m, e in zip(mlp, moe, strict=True)]
         self._arrays = [
             tiled([a.qkv_proj.weight for a in attn]),
             array([fp32(a.qkv_proj.bias) for a in attn]),
             tiled([a.o_proj.weight for a in attn]),
-            tiled([m.gate_up_proj.weight for m in mlp]),
-            tiled([m.down_proj.weight for m in mlp]),
+            tiled_or_none([None if m is None else m.gate_up_proj.weight for m in dense]),
+            tiled_or_none([None if m is None else m.down_proj.weight for m in dense]),
             array([fp32(layer.input_layernorm.weight) for layer in layers]),
             array([fp32(layer.post_attention_layernorm.weight) for layer in layers]),
         ]
+        num_experts = getattr(config, "num_experts", 0)
+        routers, gate_ups, downs = [], [], []
+        for block, experts in zip(mlp, moe, strict=True):
+            routers.append(None if experts is None else block.gate.weight)
+            gate_ups += [None] * num_experts if experts is None else list(experts.w13)
+            downs += [None] * num_experts if experts is None else list(experts.w2)
+        self._expert_arrays = [tiled_or_none(w) for w in (routers, gate_ups, downs)]
+        top_k = getattr(config, "num_experts_per_tok", 0) if num_experts else 0
         lm_head = weight(model.lm_head.weight)
         if not self.palette:
             embed = ptr(model.embed_tokens.weight.data)
@@ -247,6 +267,7 @@ class CpuForward:
             config.vocab_size, kv_cache.shape[3], bf16, kv_cache.dtype == torch.bfloat16,
             self.palette, config.rms_norm_eps, config.head_dim**-0.5, kv_cache.shape[2],
             *self._arrays, ptr(fp32(model.norm.weight)), embed, lm_head, kv_cache.data_ptr(),
+            num_experts, top_k, *self._expert_arrays,
         )  # fmt: skip
         self._keep = [*keep, kv_cache]
         self._structs = structs

@@ -199,6 +199,11 @@ class CausalLM(nn.Module):
             if isinstance(module, LinearBase) or (embedding and module is self.embed_tokens):
                 dtype = module.weight.dtype
                 module.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+            elif isinstance(module, FusedMoE):
+                for name in ("w13", "w2"):
+                    dtype = getattr(module, name).dtype
+                    empty = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+                    setattr(module, name, empty)
 
     # --- loading -----------------------------------------------------------------------
 

@@ -100,6 +100,7 @@ class MixtralForCausalLM(SplitsExperts, CausalLM):
     """Mixtral 8x7B / 8x22B and other Llama-with-experts models."""
 
     config_class: ClassVar[type[ModelConfig]] = MoEConfig
+    supports_fused_cpu: ClassVar[bool] = True  # the fused forward runs its experts too
     checkpoint_renames: ClassVar[dict[str, str]] = {".block_sparse_moe.": ".mlp."}
 
     @classmethod
