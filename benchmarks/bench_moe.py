@@ -51,7 +51,7 @@ from unittest.mock import patch
 
 import torch
 from bench_engine import machine_info, read_bandwidth
-from engine_peers import Generation, TransformersPeer
+from engine_peers import Generation, InfirePeer, TransformersPeer
 from machine_load import others_cores, snapshot, wait_until_idle
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,38 +212,23 @@ def bytes_per_token(shape: MoEShape, context: float, itemsize: int) -> dict[str,
 # --- the peers ---------------------------------------------------------------------------
 
 
-class InfireMoE:
+class InfireMoE(InfirePeer):
     """infire's offline API on the benchmark model, bf16, prefix caching off: the fused CPU
     forward (routed experts in C), or with `cpu_kernels` False the PyTorch path (FusedMoE,
     each expert prepacked for oneDNN; with pack_experts False too, its plain stacked
     weights under F.linear, what it ran before it was packed)."""
 
-    child_pids: tuple[int, ...] = ()
-
     def __init__(self, folder: Path, pack_experts: bool = True, cpu_kernels: bool = True) -> None:
-        from infire import LLM, SamplingParams
         from infire.layers.moe import FusedMoE
 
-        self._params = SamplingParams
         self.label = "infire bfloat16" if cpu_kernels else PYTORCH if pack_experts else UNPACKED
         pack = FusedMoE.pack_for_cpu if pack_experts else lambda _: True
         with patch.object(FusedMoE, "pack_for_cpu", pack):
-            self.llm = LLM(
-                model=str(folder), dtype="bfloat16", enable_prefix_caching=False,
-                kv_cache_memory=512 * 1024**2, cpu_kernels=cpu_kernels,
-            )  # fmt: skip
-
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> Generation:
-        """Timed `LLM.generate` over all prompts at once (continuous batching)."""
-        params = self._params(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        start = time.perf_counter()
-        outputs = self.llm.generate(prompts, params)
-        wall = time.perf_counter() - start
-        return Generation(wall, [list(o.outputs[0].token_ids) for o in outputs])
+            super().__init__("bfloat16", 512 * 1024**2, str(folder), cpu_kernels=cpu_kernels)
 
     @property
     def model(self) -> torch.nn.Module:
-        """The loaded model (its weights packed for oneDNN)."""
+        """The loaded model (on the PyTorch path, its weights packed for oneDNN)."""
         return self.llm.engine.runner.model
 
     def close(self) -> None:

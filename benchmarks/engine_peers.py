@@ -63,16 +63,19 @@ class InfirePeer:
     engine = "infire"
     child_pids: tuple[int, ...] = ()
 
-    def __init__(self, dtype: str, kv_cache_memory: int) -> None:
+    def __init__(
+        self, dtype: str, kv_cache_memory: int, model: str | None = None, **options: Any
+    ) -> None:
         from infire import LLM, SamplingParams
 
         self.weights = dtype
         self._params = SamplingParams
         self.llm = LLM(
-            model=None,
+            model=model,
             dtype=dtype,
             enable_prefix_caching=False,
             kv_cache_memory=kv_cache_memory,
+            **options,
         )
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> Generation:
