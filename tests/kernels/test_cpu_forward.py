@@ -81,7 +81,44 @@ def tiny_mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-mixtral"), "mixtral", seed=6)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_mixtral"])
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen3: the fused forward norms every q and k head."""
+    from tiny_models import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3", seed=6)
+
+
+def _tiny_qwen3_moe(factory: pytest.TempPathFactory, renormalize: bool) -> Path:
+    from tiny_models import write_tiny_model
+
+    folder = factory.mktemp("tiny-qwen3-moe")
+    return write_tiny_model(folder, "qwen3_moe", seed=6, norm_topk_prob=renormalize)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen3-MoE (a dense layer among sparse ones), top-k renormalized."""
+    return _tiny_qwen3_moe(tmp_path_factory, True)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_moe_raw(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same with the top-k softmax weights left as they are (norm_topk_prob false)."""
+    return _tiny_qwen3_moe(tmp_path_factory, False)
+
+
+@pytest.mark.parametrize(
+    "fixture",
+    [
+        "tiny_llama",
+        "tiny_qwen2",
+        "tiny_mixtral",
+        "tiny_qwen3",
+        "tiny_qwen3_moe",
+        "tiny_qwen3_moe_raw",
+    ],
+)
 def test_prefill_and_decode_match_transformers(fixture: str, request: pytest.FixtureRequest):
     folder = request.getfixturevalue(fixture)
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -162,7 +199,7 @@ def test_bfloat16_batching_chunking_and_prefix_cache_change_nothing(tiny_llama: 
     assert engine.runner.model.layers[0].mlp.down_proj.weight.numel() == 0
 
 
-@pytest.mark.parametrize("fixture", ["tiny_qwen2", "tiny_mixtral"])
+@pytest.mark.parametrize("fixture", ["tiny_qwen2", "tiny_mixtral", "tiny_qwen3_moe"])
 def test_fp32_paths_agree_on_greedy_tokens(fixture: str, request: pytest.FixtureRequest):
     model = request.getfixturevalue(fixture)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

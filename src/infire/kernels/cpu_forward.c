@@ -1,6 +1,6 @@
 /*
- * Forward pass of a Llama-family model (or Mixtral, its experts routed here too) on x86-64
- * CPUs with AVX2 and FMA, in one call.
+ * Forward pass of a Llama-family model (and Qwen3's q/k norms, Mixtral's and Qwen3-MoE's
+ * routed experts) on x86-64 CPUs with AVX2 and FMA, in one call.
  *
  * Decoding one token per sequence is bound by memory bandwidth: every weight is read once
  * per step and used for a handful of multiply-adds. PyTorch spends that step in ~30
@@ -51,13 +51,18 @@ typedef struct {
     const void *embed;   /* [vocab, hidden] row-major, weight dtype; or a PaletteWeight */
     const void *lm_head; /* tiled, rows padded to TILE_ROWS */
     void *kv_cache;      /* [layers, 2, blocks, block_size, kv_heads, head_dim], kv dtype */
-    /* Mixtral-style experts: a layer whose router is not NULL runs them instead of its
-       dense MLP (softmax over num_experts, the top_k renormalized, SwiGLU experts of
-       `intermediate` features); num_experts 0: every layer dense */
+    /* Routed experts (Mixtral, Qwen3-MoE): a layer whose router is not NULL runs them
+       instead of its dense MLP (softmax over num_experts, the top_k renormalized where
+       norm_topk, SwiGLU experts of expert_intermediate features); num_experts 0: every
+       layer dense */
     int32_t num_experts, top_k;
     const void *const *router;         /* per layer, tiled [num_experts rows] or NULL */
     const void *const *expert_gate_up; /* [layer * num_experts + e], tiled [2 inter, hidden] */
     const void *const *expert_down;    /* [layer * num_experts + e], tiled [hidden, inter] */
+    int32_t norm_topk;           /* renormalize the top k weights (Mixtral; Qwen3-MoE's flag) */
+    int32_t expert_intermediate; /* an expert's intermediate features */
+    const float *const *q_norm;  /* per layer [head_dim] (Qwen3's per-head RMSNorm) or NULL */
+    const float *const *k_norm;
 } InfireModel;
 
 static inline float hsum(__m256 v) {
@@ -395,13 +400,30 @@ static inline void store_kv(void *dst, const float *src, int len, int bf16) {
 }
 
 /* RoPE on the q and k heads of each token, then its k and v into the pool at its slot. */
+/* v = v / rms(v) * weight in place, over one head */
+static inline void head_norm(float *v, const float *weight, int dim, float eps) {
+    __m256 sum = _mm256_setzero_ps();
+    for (int i = 0; i < dim; i += 8) {
+        __m256 x = _mm256_loadu_ps(v + i);
+        sum = _mm256_fmadd_ps(x, x, sum);
+    }
+    __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum(sum) / dim + eps));
+    for (int i = 0; i < dim; i += 8)
+        _mm256_storeu_ps(v + i, _mm256_mul_ps(_mm256_loadu_ps(weight + i),
+                                              _mm256_mul_ps(_mm256_loadu_ps(v + i), inv)));
+}
+
 static void rope_and_store(const InfireModel *m, int layer, float *qkv, int n, const float *cos,
                            const float *sin, const int64_t *slots) {
     int hd = m->head_dim, nh = m->num_heads, nkv = m->num_kv_heads;
     int width = (nh + 2 * nkv) * hd;
+    const float *qn = m->q_norm ? m->q_norm[layer] : NULL;
+    const float *kn = m->k_norm ? m->k_norm[layer] : NULL;
 #pragma omp for schedule(static)
     for (int t = 0; t < n; t++) {
         float *row = qkv + (long)t * width;
+        if (qn)
+            for (int h = 0; h < nh + nkv; h++) head_norm(row + h * hd, h < nh ? qn : kn, hd, m->eps);
         for (int h = 0; h < nh + nkv; h++) rope(row + h * hd, cos + (long)t * hd, sin + (long)t * hd, hd);
         store_kv(kv_slot(m, layer, 0, slots[t]), row + nh * hd, nkv * hd, m->kv_bf16);
         store_kv(kv_slot(m, layer, 1, slots[t]), row + (nh + nkv) * hd, nkv * hd, m->kv_bf16);
@@ -515,7 +537,7 @@ static void silu_mul(const float *gate_up, int n, int inter, float *out) {
  */
 static void experts(const InfireModel *m, int l, const float *normed, int n, float *x,
                     float *gate_up, float *act, float *moe) {
-    int h = m->hidden, inter = m->intermediate, num = m->num_experts, k = m->top_k;
+    int h = m->hidden, inter = m->expert_intermediate, num = m->num_experts, k = m->top_k;
     float *logits = moe, *weights = logits + (long)n * num, *rows = weights + (long)n * k;
     float *out = rows + (long)n * h, *acc = out + (long)n * h;
     int32_t *ids = (int32_t *)(acc + (long)n * h);
@@ -534,7 +556,8 @@ static void experts(const InfireModel *m, int l, const float *normed, int n, flo
             chosen += lg[best] / sum;
             lg[best] = -1.0f; /* taken */
         }
-        for (int j = 0; j < k; j++) weights[(long)t * k + j] /= chosen;
+        if (m->norm_topk)
+            for (int j = 0; j < k; j++) weights[(long)t * k + j] /= chosen;
         for (int i = 0; i < h; i++) acc[(long)t * h + i] = 0.0f;
     }
     int token[n], which[n]; /* this expert's tokens (every thread builds the same list) */
@@ -567,11 +590,17 @@ static void experts(const InfireModel *m, int l, const float *normed, int n, flo
         for (int i = 0; i < h; i++) x[(long)t * h + i] += acc[(long)t * h + i];
 }
 
+/* The dense MLP's or an expert's intermediate features, whichever is wider (they share
+ * the gate_up and act scratch). */
+static inline long mlp_width(const InfireModel *m) {
+    return m->expert_intermediate > m->intermediate ? m->expert_intermediate : m->intermediate;
+}
+
 /* Scratch floats infire_forward needs for n tokens. */
 long infire_forward_workspace(const InfireModel *m, int n) {
     long q = (long)m->num_heads * m->head_dim, kv = (long)m->num_kv_heads * m->head_dim;
     long moe = m->num_experts ? m->num_experts + 3L * m->top_k + 3L * m->hidden : 0;
-    return (long)n * (3L * m->hidden + q + 2 * kv + q + 3L * m->intermediate + moe);
+    return (long)n * (3L * m->hidden + q + 2 * kv + q + 3L * mlp_width(m) + moe);
 }
 
 /*
@@ -589,7 +618,8 @@ int infire_forward(const InfireModel *m, int n, const int64_t *token_ids,
     int q = m->num_heads * hd, width = (m->num_heads + 2 * m->num_kv_heads) * hd;
     float *x = work, *normed = x + (long)n * h, *qkv = normed + (long)n * h;
     float *attn = qkv + (long)n * width, *gate_up = attn + (long)n * q;
-    float *act = gate_up + (long)n * 2 * inter, *last = act + (long)n * inter;
+    long wide = mlp_width(m);
+    float *act = gate_up + (long)n * 2 * wide, *last = act + (long)n * wide;
 #pragma omp parallel
     {
         embed_tokens(m, token_ids, n, x);

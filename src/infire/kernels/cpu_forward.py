@@ -53,6 +53,9 @@ class _Model(ctypes.Structure):
         ("num_experts", ctypes.c_int32),
         ("top_k", ctypes.c_int32),
         *((name, ctypes.POINTER(_ptr)) for name in ("router", "expert_gate_up", "expert_down")),
+        ("norm_topk", ctypes.c_int32),
+        ("expert_intermediate", ctypes.c_int32),
+        *((name, ctypes.POINTER(_ptr)) for name in ("q_norm", "k_norm")),
     ]  # fmt: skip
 
 
@@ -169,8 +172,9 @@ def unsupported_reason(config: ModelConfig, dtype: torch.dtype, device: torch.de
             return f"{name} {size} is not a multiple of {TILE_COLS}"
     if config.head_dim % 8 or config.head_dim > MAX_HEAD_DIM:
         return f"head_dim {config.head_dim} (needs a multiple of 8, at most {MAX_HEAD_DIM})"
-    if getattr(config, "num_experts", 0) and not getattr(config, "norm_topk_prob", True):
-        return "experts whose top-k weights are not renormalized"
+    expert_size = getattr(config, "moe_intermediate_size", 0)
+    if expert_size % TILE_COLS:
+        return f"moe_intermediate_size {expert_size} is not a multiple of {TILE_COLS}"
     return None
 
 
@@ -254,6 +258,14 @@ class CpuForward:
             downs += [None] * num_experts if experts is None else list(experts.w2)
         self._expert_arrays = [tiled_or_none(w) for w in (routers, gate_ups, downs)]
         top_k = getattr(config, "num_experts_per_tok", 0) if num_experts else 0
+        expert_size = getattr(config, "moe_intermediate_size", 0) or config.intermediate_size
+        norm_topk = bool(getattr(config, "norm_topk_prob", True))
+        # Qwen3's per-head q/k RMSNorm (fp32 [head_dim] per layer), NULL arrays where none
+        qk_norms = [
+            array([fp32(a.q_norm.weight) for a in attn]) if attn[0].q_norm is not None else None,
+            array([fp32(a.k_norm.weight) for a in attn]) if attn[0].k_norm is not None else None,
+        ]
+        self._norm_arrays = qk_norms
         lm_head = weight(model.lm_head.weight)
         if not self.palette:
             embed = ptr(model.embed_tokens.weight.data)
@@ -267,7 +279,8 @@ class CpuForward:
             config.vocab_size, kv_cache.shape[3], bf16, kv_cache.dtype == torch.bfloat16,
             self.palette, config.rms_norm_eps, config.head_dim**-0.5, kv_cache.shape[2],
             *self._arrays, ptr(fp32(model.norm.weight)), embed, lm_head, kv_cache.data_ptr(),
-            num_experts, top_k, *self._expert_arrays,
+            num_experts, top_k, *self._expert_arrays, norm_topk, expert_size,
+            *(ctypes.cast(a, ctypes.POINTER(_ptr)) if a is not None else None for a in qk_norms),
         )  # fmt: skip
         self._keep = [*keep, kv_cache]
         self._structs = structs

@@ -6,7 +6,7 @@ No q/k/v biases (Qwen2 had them); head_dim is given by the config, not hidden / 
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -19,6 +19,8 @@ from infire.models.llama import LlamaDecoderLayer, sliding_window_of
 
 class Qwen3ForCausalLM(CausalLM):
     """Qwen3 dense models."""
+
+    supports_fused_cpu: ClassVar[bool] = True  # the fused forward norms q and k heads too
 
     @classmethod
     def hf_config_fields(cls, raw: dict[str, Any]) -> dict[str, Any]:
