@@ -213,3 +213,19 @@ def test_destination_must_be_new(tiny_llama: Path, tmp_path: Path):
     (tmp_path / "full" / "x").write_text("x")
     done = infire("compress", str(tiny_llama), str(tmp_path / "full"))
     assert done.returncode == 2 and "not empty" in done.stderr
+
+
+def test_a_gguf_of_a_family_it_cannot_write_as_a_folder_is_refused_first(tmp_path: Path):
+    from gguf_writer import common_metadata, hf_config, hf_tensors, llama_like_tensors, write_gguf
+    from infire.errors import UnsupportedModelError
+    from tiny_models import write_tiny_model
+
+    folder = write_tiny_model(tmp_path / "qwen3", "qwen3")
+    config = hf_config(folder)
+    tensors = llama_like_tensors(hf_tensors(folder), config, permute=False)
+    path = write_gguf(folder, tmp_path / "qwen3.gguf", "qwen3",
+                      common_metadata(config, "qwen3"), tensors)  # fmt: skip
+    dst = tmp_path / "compressed"
+    with pytest.raises(UnsupportedModelError, match="qwen3 model as a Hugging Face folder"):
+        compress_model(path, dst, "rans", progress=False)
+    assert not dst.exists()  # refused before anything is written
