@@ -328,21 +328,22 @@ static void linear(const InfireModel *m, const void *w, const float *bias, const
         linear_impl(w, WEIGHT_F32, bias, x, n, cols, y, rows, ldy, accumulate, NULL);
 }
 
+/* out = x / rms(x) * weight over one row of dim floats (out may be x) */
+static inline void norm_row(const float *x, const float *weight, float *out, int dim, float eps) {
+    __m256 sum = _mm256_setzero_ps();
+    for (int i = 0; i < dim; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        sum = _mm256_fmadd_ps(v, v, sum);
+    }
+    __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum(sum) / dim + eps));
+    for (int i = 0; i < dim; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(weight + i),
+                                                _mm256_mul_ps(_mm256_loadu_ps(x + i), inv)));
+}
+
 static void rms_norm(const float *x, const float *weight, float *out, int n, int dim, float eps) {
 #pragma omp for schedule(static)
-    for (int t = 0; t < n; t++) {
-        const float *xt = x + (long)t * dim;
-        float *ot = out + (long)t * dim;
-        __m256 sum = _mm256_setzero_ps();
-        for (int i = 0; i < dim; i += 8) {
-            __m256 v = _mm256_loadu_ps(xt + i);
-            sum = _mm256_fmadd_ps(v, v, sum);
-        }
-        __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum(sum) / dim + eps));
-        for (int i = 0; i < dim; i += 8)
-            _mm256_storeu_ps(ot + i, _mm256_mul_ps(_mm256_loadu_ps(weight + i),
-                                                    _mm256_mul_ps(_mm256_loadu_ps(xt + i), inv)));
-    }
+    for (int t = 0; t < n; t++) norm_row(x + (long)t * dim, weight, out + (long)t * dim, dim, eps);
 }
 
 static void embed_tokens(const InfireModel *m, const int64_t *token_ids, int n, float *x) {
@@ -399,20 +400,8 @@ static inline void store_kv(void *dst, const float *src, int len, int bf16) {
         for (int i = 0; i < len; i++) ((float *)dst)[i] = src[i];
 }
 
-/* RoPE on the q and k heads of each token, then its k and v into the pool at its slot. */
-/* v = v / rms(v) * weight in place, over one head */
-static inline void head_norm(float *v, const float *weight, int dim, float eps) {
-    __m256 sum = _mm256_setzero_ps();
-    for (int i = 0; i < dim; i += 8) {
-        __m256 x = _mm256_loadu_ps(v + i);
-        sum = _mm256_fmadd_ps(x, x, sum);
-    }
-    __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum(sum) / dim + eps));
-    for (int i = 0; i < dim; i += 8)
-        _mm256_storeu_ps(v + i, _mm256_mul_ps(_mm256_loadu_ps(weight + i),
-                                              _mm256_mul_ps(_mm256_loadu_ps(v + i), inv)));
-}
-
+/* Per-head q/k norm (Qwen3) and RoPE on the q and k heads of each token, then its k and v
+ * into the pool at its slot. */
 static void rope_and_store(const InfireModel *m, int layer, float *qkv, int n, const float *cos,
                            const float *sin, const int64_t *slots) {
     int hd = m->head_dim, nh = m->num_heads, nkv = m->num_kv_heads;
@@ -423,7 +412,7 @@ static void rope_and_store(const InfireModel *m, int layer, float *qkv, int n, c
     for (int t = 0; t < n; t++) {
         float *row = qkv + (long)t * width;
         if (qn)
-            for (int h = 0; h < nh + nkv; h++) head_norm(row + h * hd, h < nh ? qn : kn, hd, m->eps);
+            for (int h = 0; h < nh + nkv; h++) norm_row(row + h * hd, h < nh ? qn : kn, row + h * hd, hd, m->eps);
         for (int h = 0; h < nh + nkv; h++) rope(row + h * hd, cos + (long)t * hd, sin + (long)t * hd, hd);
         store_kv(kv_slot(m, layer, 0, slots[t]), row + nh * hd, nkv * hd, m->kv_bf16);
         store_kv(kv_slot(m, layer, 1, slots[t]), row + (nh + nkv) * hd, nkv * hd, m->kv_bf16);
