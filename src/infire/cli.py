@@ -14,6 +14,7 @@ from pathlib import Path
 
 from infire.config import (
     CacheConfig,
+    DisaggConfig,
     EngineConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -109,6 +110,10 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         parallel=ParallelConfig(
             args.tensor_parallel_size, args.pipeline_parallel_size, args.nnodes,
             args.node_rank, args.master_addr, args.master_port, args.threads_per_rank,
+        ),
+        disagg=DisaggConfig(
+            role=getattr(args, "role", "both"), kv_host=getattr(args, "kv_host", "127.0.0.1"),
+            lease_seconds=getattr(args, "kv_lease_timeout", 30.0),
         ),
     )  # fmt: skip
 
@@ -294,6 +299,26 @@ def cmd_gateway(args: argparse.Namespace) -> int:
           f"{', '.join(config.gateways)}, log {config.store}, on http://{args.host}:{args.port}; "
           f"logs, analytics and metrics {reads}", file=sys.stderr)  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0
+
+
+def cmd_balance(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from infire.disagg.balancer import BalancerConfig, create_app
+
+    if not (args.prefill and args.decode) and not args.both:
+        raise ValueError("give --prefill and --decode workers (and/or --both ones)")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per load poll
+    config = BalancerConfig(args.prefill, args.decode, args.both,
+                            args.api_key or os.environ.get("INFIRE_API_KEY"))  # fmt: skip
+    print(f"infire balance: {len(args.prefill)} prefill, {len(args.decode)} decode and "
+          f"{len(args.both)} colocated workers, on http://{args.host}:{args.port} (GET /health "
+          "answers 200 once a prefill and a decode worker, or a colocated one, are up)",
+          file=sys.stderr)  # fmt: skip
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning",
+                access_log=False)  # fmt: skip
     return 0
 
 
@@ -530,6 +555,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the engine core in a thread of the server process instead of its own "
         "process (default: its own process; if it dies the server exits with status 1)",
     )  # fmt: skip
+    group = serve.add_argument_group("disaggregation (docs/disaggregation.md)")
+    group.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
+                       help="both: a whole engine; prefill: run prompts and lease their KV "
+                       "to decode workers; decode: pull the KV and decode (default: both)")  # fmt: skip
+    group.add_argument("--kv-host", default="127.0.0.1",
+                       help="address peers reach this worker's KV transfer engine at "
+                       "(default: 127.0.0.1)")  # fmt: skip
+    group.add_argument("--kv-lease-timeout", type=float, default=30.0,
+                       help="seconds a prefill worker holds KV blocks for a decode worker "
+                       "that has not released them (default: 30)")  # fmt: skip
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
     compress = commands.add_parser(
@@ -570,6 +605,20 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--no-access-log", action="store_true",
                          help="no JSON line per request on stderr (the SQLite log keeps them)")  # fmt: skip
     gateway.set_defaults(func=cmd_gateway)
+    balance = commands.add_parser(
+        "balance", help="one OpenAI / Workers AI front over prefill and decode workers"
+    )
+    balance.add_argument("--prefill", nargs="+", default=[], metavar="URL",
+                         help="prefill workers (infire serve --role prefill)")  # fmt: skip
+    balance.add_argument("--decode", nargs="+", default=[], metavar="URL",
+                         help="decode workers (infire serve --role decode)")  # fmt: skip
+    balance.add_argument("--both", nargs="+", default=[], metavar="URL",
+                         help="colocated workers (--role both): requests fall back to them")  # fmt: skip
+    balance.add_argument("--host", default="127.0.0.1", help="address (default: 127.0.0.1)")
+    balance.add_argument("--port", type=int, default=8100, help="port (default: 8100)")
+    balance.add_argument("--api-key", help="sent to the workers as 'Authorization: Bearer KEY' "
+                         "(default: $INFIRE_API_KEY; else the client's own header)")  # fmt: skip
+    balance.set_defaults(func=cmd_balance)
     return parser
 
 

@@ -132,6 +132,27 @@ class ParallelConfig:
 
 
 @dataclass(slots=True)
+class DisaggConfig:
+    """Prefill/decode disaggregation (disagg/): this engine's role and its KV transfer.
+
+    `both` (the default) is a whole engine. `prefill` runs prompts and holds their KV
+    blocks for a decode engine to pull, for at most `lease_seconds`; `decode` takes
+    requests with a prefill engine's handle, pulls the blocks it lacks and decodes.
+    `kv_host` is the address peers reach this engine's transfer engine at."""
+
+    role: str = "both"
+    connector: str = "mooncake"
+    kv_host: str = "127.0.0.1"
+    lease_seconds: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role must be both, prefill or decode, not {self.role!r}")
+        if self.lease_seconds <= 0:
+            raise ValueError("lease_seconds must be positive")
+
+
+@dataclass(slots=True)
 class EngineConfig:
     """Everything an LLMEngine needs besides the model itself."""
 
@@ -143,6 +164,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
 
 _DTYPES = {

@@ -41,3 +41,8 @@ class ServerOverloadedError(InfireError):
 
 class EngineDeadError(InfireError):
     """The engine loop stopped after an internal failure; no more requests are served."""
+
+
+class KVTransferError(InfireError):
+    """KV blocks could not be moved between a prefill and a decode engine (a peer gone, a
+    lease expired, a checksum mismatch): that request fails, nothing is served from them."""

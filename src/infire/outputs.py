@@ -54,3 +54,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    kv_transfer_params: dict | None = None  # a prefill engine's handle (disaggregation)

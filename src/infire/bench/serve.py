@@ -310,6 +310,17 @@ def run(config: BenchConfig, progress: bool = True) -> dict:
     return summarize(config, results, duration)
 
 
+def run_many(configs: list[BenchConfig], progress: bool = True) -> list[dict]:
+    """Run several loads at once (a mixed workload: say, long prompts arriving while short
+    ones stream); one result per config, each timed from its own start."""
+
+    async def together() -> list[tuple[list[RequestResult], float]]:
+        return await asyncio.gather(*(_run(config, progress) for config in configs))
+
+    runs = asyncio.run(together())
+    return [summarize(c, results, d) for c, (results, d) in zip(configs, runs, strict=True)]
+
+
 def report(result: dict) -> str:
     """The summary as a table for the terminal."""
     s, settings = result["summary"], result["settings"]

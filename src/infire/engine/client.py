@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from infire.config import EngineConfig
+from infire.disagg.transfer import check_kv_params
 from infire.engine.messages import (
     AbortRequest,
     EngineFailed,
@@ -38,6 +39,7 @@ from infire.engine.messages import (
     GenerateRequest,
     Message,
     ModelInfo,
+    ReleaseKV,
     RequestDelta,
     Shutdown,
     StepOutputs,
@@ -45,7 +47,7 @@ from infire.engine.messages import (
     encode,
 )
 from infire.engine.validation import check_params, check_prompt
-from infire.errors import EngineDeadError, InvalidRequestError, ModelLoadError
+from infire.errors import EngineDeadError, InvalidRequestError, KVTransferError, ModelLoadError
 from infire.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -91,8 +93,11 @@ class EngineClient:
 
     def validate(self, request: GenerateRequest) -> None:
         """Refuse a request that cannot run, before anything is queued."""
-        check_params(request.params, self.model_info)
-        check_prompt(request.prompt_token_ids, self.model_info)
+        info = self.model_info
+        check_params(request.params, info)
+        check_prompt(request.prompt_token_ids, info)
+        check_kv_params(info.kv_role, request.kv_transfer, request.prompt_token_ids,
+                        request.params.n, info.kv_layout)  # fmt: skip
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestDelta]:
         """The request's deltas, until its finished one.
@@ -123,6 +128,8 @@ class EngineClient:
                     finished = True
                     raise item
                 finished = item.finished
+                if item.error is not None:  # the request failed inside the engine
+                    raise KVTransferError(item.error)
                 yield item
         finally:
             if not finished and self._dead is None:
@@ -130,6 +137,11 @@ class EngineClient:
                     self._send(AbortRequest(request.request_id))
             with self._lock:
                 self._streams.pop(request.request_id, None)
+
+    def release_kv(self, lease_id: str) -> None:
+        """Free the KV blocks held under a lease (prefill role; unknown ids are ignored)."""
+        if self._dead is None:
+            self._send(ReleaseKV(lease_id))
 
     async def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; its stream ends with finish_reason 'abort'."""
@@ -206,10 +218,10 @@ class InprocEngineClient(EngineClient):
     def _send(self, message: Message) -> None:
         self._commands.put(message)
 
-    def _receive(self, block: bool) -> list[Message]:
+    def _receive(self, timeout: float | None) -> list[Message]:
         commands = []
         try:
-            commands.append(self._commands.get(block=block))
+            commands.append(self._commands.get(block=timeout != 0, timeout=timeout or None))
             while True:
                 commands.append(self._commands.get_nowait())
         except queue.Empty:

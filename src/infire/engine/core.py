@@ -20,7 +20,13 @@ import threading
 import time
 from collections.abc import Callable
 
-from infire.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from infire.config import (
+    CacheConfig,
+    DisaggConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from infire.engine.engine import LLMEngine
 from infire.engine.messages import (
     AbortRequest,
@@ -28,6 +34,7 @@ from infire.engine.messages import (
     EngineReady,
     GenerateRequest,
     Message,
+    ReleaseKV,
     Shutdown,
     StepOutputs,
     decode,
@@ -37,19 +44,24 @@ from infire.errors import InvalidRequestError
 
 logger = logging.getLogger("infire.engine.core")
 
-Receive = Callable[[bool], list[Message]]  # block until at least one command, or not
+# wait up to `timeout` seconds (None: for ever, 0: not at all) for at least one command
+Receive = Callable[[float | None], list[Message]]
 Emit = Callable[[StepOutputs], None]
 
 
 def run_core(engine: LLMEngine, receive: Receive, emit: Emit) -> None:
-    """Serve commands until Shutdown: add and abort requests, step while any runs."""
+    """Serve commands until Shutdown: add and abort requests, release KV leases, step
+    while any runs. Idle, it wakes when the next lease expires (a prefill engine)."""
     while True:
-        commands = receive(not engine.has_unfinished_requests())
+        idle = engine.idle_timeout()  # frees expired leases
+        commands = receive(0.0 if engine.has_unfinished_requests() else idle)
         deltas = []
         for command in commands:
             if isinstance(command, Shutdown):
                 return
-            if isinstance(command, AbortRequest):
+            if isinstance(command, ReleaseKV):
+                engine.release_kv(command.lease_id)
+            elif isinstance(command, AbortRequest):
                 delta = engine.abort_request(command.request_id)
                 deltas += [delta] if delta is not None else []
             elif isinstance(command, GenerateRequest):
@@ -72,7 +84,7 @@ def config_to_json(config: EngineConfig) -> str:
             "model": config.model, "dtype": config.dtype, "device": config.device,
             "seed": config.seed, "cpu_kernels": config.cpu_kernels,
             "cache": _fields(config.cache), "scheduler": _fields(config.scheduler),
-            "parallel": _fields(config.parallel),
+            "parallel": _fields(config.parallel), "disagg": _fields(config.disagg),
         }
     )  # fmt: skip
 
@@ -84,7 +96,7 @@ def config_from_json(text: str) -> EngineConfig:
         model=raw["model"], dtype=raw["dtype"], device=raw["device"], seed=raw["seed"],
         cpu_kernels=raw["cpu_kernels"], cache=CacheConfig(**raw["cache"]),
         scheduler=SchedulerConfig(**raw["scheduler"]),
-        parallel=ParallelConfig(**raw["parallel"]),
+        parallel=ParallelConfig(**raw["parallel"]), disagg=DisaggConfig(**raw["disagg"]),
     )  # fmt: skip
 
 
@@ -134,9 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     outbox.send(encode(EngineReady(engine.model_info)))
 
-    def receive(block: bool) -> list[Message]:
+    def receive(timeout: float | None) -> list[Message]:
         commands = []
-        if block or inbox.poll(0):
+        wait = None if timeout is None else int(timeout * 1000) + (timeout > 0)
+        if inbox.poll(wait):
             commands.append(decode(inbox.recv()))
         while inbox.poll(0):
             commands.append(decode(inbox.recv()))

@@ -3,7 +3,9 @@
 `add_request` queues; each `step()` schedules a batch, runs one forward, appends the
 sampled tokens, detokenizes, checks stop conditions and frees the blocks of finished
 sequences, then reports a RequestDelta (what changed, not the whole output) for every
-request that changed. The engine clients (in a thread, or in the engine-core process),
+request that changed. In a disaggregated role (disagg/transfer.py) a prefill engine
+ends each request after its first token and leases its KV blocks out, and a decode
+engine starts each request from a prefill engine's first token and pulls the KV. The engine clients (in a thread, or in the engine-core process),
 the offline API (LLM) and the CLI drive this class.
 """
 
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from infire.config import EngineConfig, resolve_dtype
+from infire.disagg.transfer import KVTransfer, first_token_fields, first_token_output
 from infire.engine.executor import MultiprocExecutor, UniprocExecutor
 from infire.engine.kv_cache import BlockManager
 from infire.engine.messages import (
@@ -30,7 +33,7 @@ from infire.engine.runner import ModelRunner, StepResult
 from infire.engine.scheduler import Scheduler, SchedulerOutput
 from infire.engine.stop import append_token
 from infire.engine.validation import check_params, check_prompt
-from infire.errors import InvalidRequestError
+from infire.errors import InvalidRequestError, UnsupportedModelError
 from infire.kernels import cpu_forward
 from infire.models.loader import load_model
 from infire.outputs import RequestMetrics
@@ -69,6 +72,8 @@ class LLMEngine:
             )
             loaded = self.executor.loaded
         else:
+            if config.parallel.threads_per_rank:  # e.g. one thread each for a prefill and
+                torch.set_num_threads(config.parallel.threads_per_rank)  # a decode worker
             loaded = load_model(config.model, self.dtype)
             runner = ModelRunner(
                 loaded.config, loaded.weights, config.cache, self.dtype, config.device,
@@ -94,6 +99,10 @@ class LLMEngine:
         self._next_seq_id = 0
         # Pipeline micro-batches sent but not back yet, oldest first.
         self._in_flight: deque[tuple[SchedulerOutput, object]] = deque()
+        self.transfer = self._make_transfer()
+        self._to_pull: deque[Sequence] = deque()  # decode: first token in, KV not yet
+        self._pulls: dict[int, tuple[Sequence, object]] = {}  # seq_id -> (seq, Pull)
+        self._changed: dict[str, None] = {}  # requests changed outside a step
         self.model_info = ModelInfo(
             name=self.model_name,
             max_model_len=self.max_model_len,
@@ -105,7 +114,35 @@ class LLMEngine:
             chat_template=self.tokenizer.chat_template,
             architecture=self.model_config.architecture,
             kv_bytes_per_token=self.runner.kv_bytes_per_token,
+            kv_role=config.disagg.role,
+            kv_layout=self.transfer.signature if self.transfer else "",
         )
+
+    def _make_transfer(self) -> KVTransfer | None:
+        """The KV connector and leases of a prefill or decode engine (None for `both`)."""
+        disagg = self.config.disagg
+        if disagg.role == "both":
+            return None
+        from infire.disagg.connector import make_connector
+        from infire.disagg.transfer import PoolLayout
+
+        if self.config.parallel.world_size > 1:
+            raise UnsupportedModelError(
+                f"--role {disagg.role} runs one rank only for now: KV transfer between "
+                "tensor/pipeline-parallel engines is not implemented"
+            )
+        if self.runner.windows:
+            raise UnsupportedModelError(
+                f"--role {disagg.role}: {self.model_config.architecture} has sliding-window "
+                "KV groups, whose transfer is not implemented"
+            )
+        layout = PoolLayout.of(self.runner.kv_caches, self.runner.num_blocks)
+        dtype = str(self.dtype).removeprefix("torch.")
+        connector = make_connector(disagg.connector, disagg.kv_host)
+        return KVTransfer(
+            disagg.role, connector, layout, self.block_manager.pool,
+            layout.signature(self.config.cache.block_size, dtype), disagg.lease_seconds,
+        )  # fmt: skip
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt (text or ids), checked against the vocabulary and context."""
@@ -138,8 +175,33 @@ class LLMEngine:
         seqs = [self._new_sequence(request_id, i, ids, params, metrics) for i in range(params.n)]
         self.requests[request_id] = seqs
         self.stats.num_prompt_tokens += len(ids) * params.n
+        role = self.config.disagg.role
+        if role == "decode":
+            self._start_decode(seqs[0], request.kv_transfer or {})
+            return
         for seq in seqs:
+            if role == "prefill":
+                seq.kv_handle = {}  # filled in when its first token is sampled
             self.scheduler.add(seq)
+
+    def _start_decode(self, seq: Sequence, handle: dict) -> None:
+        """A request whose prompt a prefill engine ran: append its first token now (it is
+        streamed at once), then queue the pull of the KV blocks it lacks."""
+        params = seq.params
+        if seq.generator is not None and params.temperature > 0:
+            # the prefill engine drew this token's noise from the same seed: draw it here too
+            noise = torch.empty(self.model_config.vocab_size, device=self.runner.device)
+            noise.exponential_(generator=seq.generator)
+        append_token(seq, first_token_output(handle["first"]), 0, self.tokenizer,
+                     self.max_model_len)  # fmt: skip
+        self.stats.num_generation_tokens += 1
+        seq.metrics.first_scheduled_time = seq.metrics.first_token_time = time.monotonic()
+        seq.kv_handle = dict(handle)  # marked as pulled here: the caller's stays as it was
+        self._changed[seq.request_id] = None
+        if seq.finished:
+            self._finish(seq)
+        else:
+            self._to_pull.append(seq)
 
     def _new_sequence(
         self,
@@ -162,6 +224,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestDelta | None:
         """Stop a request now and free its KV blocks; None if it is unknown or done."""
+        if self.transfer is not None:  # a prefill request aborted after it was leased
+            self.transfer.release_request(request_id)
         seqs = self.requests.get(request_id)
         if seqs is None:
             return None
@@ -184,19 +248,46 @@ class LLMEngine:
         except RuntimeError:
             pass  # a rank is gone: nothing to drain
         self.executor.shutdown()
+        if self.transfer is not None:
+            self.transfer.close()
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request is waiting or running (or a micro-batch is in flight)."""
-        return bool(self.requests or self._in_flight)
+        """True while any request is waiting or running (or a micro-batch or a KV pull is
+        in flight)."""
+        return bool(self.requests or self._in_flight or self._pulls)
+
+    def release_kv(self, lease_id: str) -> bool:
+        """A decode engine is done with a lease: free its blocks (False: unknown)."""
+        return self.transfer is not None and self.transfer.release(lease_id)
+
+    def idle_timeout(self) -> float | None:
+        """How long the loop may wait for a command with nothing to step: until the next
+        lease expires (None: forever). Expired leases are freed here."""
+        if self.transfer is None:
+            return None
+        if self.transfer.expire():
+            return 0.0  # go round once more, so that the freed blocks show in the stats
+        return self.transfer.next_expiry()
 
     def stats_snapshot(self) -> EngineStats:
         """Queues, KV use and counters now."""
-        c = self.stats
+        c, sched = self.stats, self.scheduler
+        to_compute = sum(max(0, s.num_prompt_tokens - s.num_computed_tokens)
+                         for s in (*sched.waiting, *sched.running))  # fmt: skip
+        transfer = (0, 0) if self.transfer is None else (
+            len(self.transfer.leases), self.transfer.leased_blocks)  # fmt: skip
+        t = self.transfer.counters if self.transfer is not None else None
+        counters = () if t is None else (
+            t.leases_granted, t.leases_released, t.leases_expired, t.pulls, t.pulls_failed,
+            t.blocks_pulled, t.blocks_reused, t.bytes_pulled, t.pull_seconds,
+        )  # fmt: skip
         return EngineStats(
-            len(self.scheduler.running), len(self.scheduler.waiting), self.block_manager.usage,
-            c.num_steps, c.num_prompt_tokens, c.num_computed_prompt_tokens,
-            c.num_generation_tokens, c.prefix_cache_queries, c.prefix_cache_hits,
-            c.num_preemptions, c.num_finished_requests,
+            len(sched.running), len(sched.waiting) + len(self._to_pull) + len(self._pulls),
+            self.block_manager.usage, c.num_steps, c.num_prompt_tokens,
+            c.num_computed_prompt_tokens, c.num_generation_tokens, c.prefix_cache_queries,
+            c.prefix_cache_hits, c.num_preemptions, c.num_finished_requests, to_compute,
+            self.block_manager.num_free_blocks, self.block_manager.num_blocks, *transfer,
+            len(self._to_pull) + len(self._pulls), *counters,
         )  # fmt: skip
 
     def step(self) -> list[RequestDelta]:
@@ -204,6 +295,10 @@ class LLMEngine:
 
         With pipeline parallelism up to `pipeline_depth` micro-batches (of disjoint
         sequences) are in flight: it fills the pipeline, then completes the oldest."""
+        early = self._deltas(self._advance_pulls()) if self.transfer or self._changed else []
+        return early + self._step()
+
+    def _step(self) -> list[RequestDelta]:
         while len(self._in_flight) < self.executor.pipeline_depth:
             busy = frozenset(i.seq.seq_id for b, _ in self._in_flight for i in b.scheduled)
             batch = self.scheduler.schedule(busy)
@@ -216,6 +311,59 @@ class LLMEngine:
             self._in_flight.append((batch, handle))
         batch, handle = self._in_flight.popleft()
         return self._deltas(self._update(batch, self.executor.wait(handle)))
+
+    def _advance_pulls(self) -> dict[str, None]:
+        """Decode role: start the pulls that fit (blocks, max_num_seqs) in arrival order,
+        and admit the sequences whose pull ended well; a failed pull fails its request.
+        Returns the requests that changed (with those changed outside a step)."""
+        changed, self._changed = self._changed, {}
+        limit, bs = self.config.scheduler.max_num_seqs, self.block_manager.block_size
+        while self._to_pull:
+            seq = self._to_pull[0]
+            if seq.finished:  # aborted while queued
+                self._to_pull.popleft()
+                continue
+            if len(self.scheduler.running) + len(self._pulls) >= limit:
+                break
+            prompt = seq.num_prompt_tokens
+            cached = self.block_manager.acquire_cached_prefix(seq)  # full prompt blocks
+            if not self.block_manager.allocate(seq, prompt):
+                self.block_manager.free(seq)
+                break  # blocks come back as running sequences finish
+            self._to_pull.popleft()
+            seq.num_cached_tokens = cached
+            self.stats.prefix_cache_queries += prompt
+            self.stats.prefix_cache_hits += cached
+            pull = self.transfer.start_pull(seq.request_id, seq.kv_handle, seq.block_table,
+                                            cached // bs)  # fmt: skip
+            if pull is None:
+                self._admit_pulled(seq)
+            else:
+                self._pulls[seq.seq_id] = (seq, pull)
+        for seq_id, (seq, pull) in list(self._pulls.items()):
+            if not pull.transfer.done:
+                continue
+            del self._pulls[seq_id]
+            error = self.transfer.finish_pull(pull)
+            if seq.finished:
+                continue  # aborted during the pull: its blocks went back as it ended
+            seq.kv_handle["pulled"] = True
+            changed[seq.request_id] = None
+            if error is None:
+                self._admit_pulled(seq)
+            else:
+                seq.error = error
+                seq.finish("abort")
+                self._finish(seq)
+        if self._pulls and not self.scheduler.has_unfinished():
+            next(iter(self._pulls.values()))[1].transfer.wait(0.005)  # no busy loop
+        return changed
+
+    def _admit_pulled(self, seq: Sequence) -> None:
+        """The prompt's KV is all in seq's blocks: decode from the first token on."""
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.cache_full_blocks(seq)
+        self.scheduler.admit_running(seq)
 
     def _deltas(self, changed: dict[str, None]) -> list[RequestDelta]:
         deltas = []
@@ -253,6 +401,8 @@ class LLMEngine:
             stats.num_generation_tokens += 1
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
+            if seq.kv_handle == {}:  # prefill role: its first token
+                self._hand_over(seq, first_token_fields(result.output, i))
             if seq.finished:
                 self._finish(seq)
             changed[seq.request_id] = None
@@ -260,6 +410,16 @@ class LLMEngine:
             self.executor.release([seq.seq_id])
             changed[seq.request_id] = None
         return changed
+
+    def _hand_over(self, seq: Sequence, first: dict) -> None:
+        """Prefill role: end seq after its first token; unless that token ended it, lease
+        its prompt blocks to a decode engine. The handle goes out on its last delta."""
+        handle: dict = {"first": first}
+        if not seq.finished:
+            blocks = seq.block_table[: self.block_manager.blocks_needed(seq.num_prompt_tokens)]
+            handle |= self.transfer.hold(seq.request_id, blocks, seq.prompt_token_ids)
+            seq.finish("remote_decode")
+        seq.kv_handle = handle
 
     def _done(self, request_id: str) -> bool:
         return all(seq.finished for seq in self.requests[request_id])
@@ -278,9 +438,15 @@ class LLMEngine:
         if not choices and not finished:
             return None
         first = seqs[0]
+        kv, handle, role = None, first.kv_handle, self.config.disagg.role
+        if role == "prefill" and finished:
+            kv = handle or None
+        elif role == "decode" and handle and handle.get("pulled") is True:
+            kv = {"lease": handle.get("lease")}  # the front releases it at the prefill engine
+            handle["pulled"] = "reported"
         return RequestDelta(
             request_id, choices, finished, first.num_prompt_tokens, first.num_cached_tokens,
-            first.metrics if finished else None,
+            first.metrics if finished else None, kv, first.error,
         )  # fmt: skip
 
 

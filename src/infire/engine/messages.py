@@ -28,6 +28,9 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None  # the text, when the caller had one (echoed in outputs)
+    # disaggregation (disagg/transfer.py): {"do_remote_decode": True} on a prefill engine,
+    # a prefill engine's handle on a decode engine; None on a whole engine
+    kv_transfer: dict | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,13 @@ class AbortRequest:
     """Stop a request now and free its KV blocks."""
 
     request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseKV:
+    """A decode engine has its copy of a lease's blocks (or gave up): free them."""
+
+    lease_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +75,10 @@ class RequestDelta:
     num_prompt_tokens: int
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None  # on the last delta
+    # a prefill engine's handle (on its last delta); on a decode engine {"lease": id} once
+    # its pull of that lease ended, so that the front can release it
+    kv_transfer: dict | None = None
+    error: str | None = None  # the request failed (a KV transfer): no more output
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +96,23 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens found
     num_preemptions: int = 0
     num_finished_requests: int = 0
+    # for a balancer: what this engine still has to compute, and room in its KV pool
+    num_prompt_tokens_to_compute: int = 0  # prompt tokens of queued and running sequences
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    # disaggregation (disagg/transfer.py TransferCounters, and what is held now)
+    num_leases: int = 0
+    num_leased_blocks: int = 0
+    num_pulling: int = 0  # decode sequences waiting for or in a KV pull
+    kv_leases_granted: int = 0
+    kv_leases_released: int = 0
+    kv_leases_expired: int = 0
+    kv_pulls: int = 0
+    kv_pulls_failed: int = 0
+    kv_blocks_pulled: int = 0
+    kv_blocks_reused: int = 0
+    kv_bytes_pulled: int = 0
+    kv_pull_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +129,8 @@ class ModelInfo:
     chat_template: str | None = None
     architecture: str = ""  # the model family (models/registry.py)
     kv_bytes_per_token: int = 0  # a token of context in the whole model's KV cache
+    kv_role: str = "both"  # disaggregation role: both, prefill or decode
+    kv_layout: str = ""  # the KV pool layout peers must share (disagg/transfer.py)
     tasks: tuple[str, ...] = ("generate",)
 
 
@@ -172,7 +205,7 @@ class SampledTokens:
 
 
 Message = (
-    GenerateRequest | AbortRequest | Shutdown | EngineReady | EngineFailed | StepOutputs
+    GenerateRequest | AbortRequest | ReleaseKV | Shutdown | EngineReady | EngineFailed | StepOutputs
     | StepInput | SampledTokens
 )  # fmt: skip
 
@@ -205,6 +238,7 @@ def merge_delta(output: RequestOutput | None, delta: RequestDelta) -> RequestOut
     output.finished = delta.finished
     output.num_cached_tokens = delta.num_cached_tokens
     output.metrics = delta.metrics or output.metrics
+    output.kv_transfer_params = delta.kv_transfer or output.kv_transfer_params
     return output
 
 
@@ -212,7 +246,7 @@ def merge_delta(output: RequestOutput | None, delta: RequestDelta) -> RequestOut
 
 _TAGS = {
     GenerateRequest: 1, AbortRequest: 2, Shutdown: 3, EngineReady: 4, EngineFailed: 5,
-    StepOutputs: 6, StepInput: 7, SampledTokens: 8,
+    StepOutputs: 6, StepInput: 7, SampledTokens: 8, ReleaseKV: 9,
 }  # fmt: skip
 _TYPES = {tag: cls for cls, tag in _TAGS.items()}
 
@@ -234,7 +268,8 @@ def decode(data: bytes) -> Message:
 def _fields(message: Message) -> list:
     if isinstance(message, GenerateRequest):
         params = dataclasses.asdict(message.params)
-        return [message.request_id, message.prompt_token_ids, params, message.prompt]
+        return [message.request_id, message.prompt_token_ids, params, message.prompt,
+                message.kv_transfer]  # fmt: skip
     if isinstance(message, EngineReady):
         return list(dataclasses.astuple(message.info))
     if isinstance(message, StepOutputs):
@@ -252,8 +287,8 @@ def _fields(message: Message) -> list:
 
 def _build(cls: type, values: list) -> Message:
     if cls is GenerateRequest:
-        request_id, ids, params, prompt = values
-        return GenerateRequest(request_id, ids, SamplingParams(**params), prompt)
+        request_id, ids, params, prompt, kv_transfer = values
+        return GenerateRequest(request_id, ids, SamplingParams(**params), prompt, kv_transfer)
     if cls is EngineReady:
         *head, tasks = values
         return EngineReady(ModelInfo(*head, tuple(tasks)))
@@ -275,18 +310,18 @@ def _delta_fields(delta: RequestDelta) -> list:
     ]  # fmt: skip
     metrics = dataclasses.astuple(delta.metrics) if delta.metrics else None
     return [delta.request_id, choices, delta.finished, delta.num_prompt_tokens,
-            delta.num_cached_tokens, metrics]  # fmt: skip
+            delta.num_cached_tokens, metrics, delta.kv_transfer, delta.error]  # fmt: skip
 
 
 def _build_delta(values: list) -> RequestDelta:
-    request_id, choices, finished, num_prompt, num_cached, metrics = values
+    request_id, choices, finished, num_prompt, num_cached, metrics, kv, error = values
     built = [
         ChoiceDelta(index, text, ids, _build_logprobs(lps), cumulative, reason, stop)
         for index, text, ids, lps, cumulative, reason, stop in choices
     ]
     return RequestDelta(
         request_id, built, finished, num_prompt, num_cached,
-        RequestMetrics(*metrics) if metrics else None,
+        RequestMetrics(*metrics) if metrics else None, kv, error,
     )  # fmt: skip
 
 

@@ -56,6 +56,10 @@ class Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # disaggregation: on a prefill engine the handle it answers with, on a decode engine
+    # the handle it pulls from (disagg/transfer.py); `error` fails the request
+    kv_handle: dict | None = None
+    error: str | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -121,6 +121,12 @@ class Scheduler:
             out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
 
+    def admit_running(self, seq: Sequence) -> None:
+        """Run a sequence whose prompt KV is in its blocks already (pulled by a decode
+        engine from a prefill engine): it decodes from its next step on."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Free seq's blocks and send it back to the front of the queue to be recomputed."""
         self.running.remove(seq)

@@ -9,6 +9,7 @@ mapping of errors.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -29,7 +30,7 @@ from infire.config import EngineConfig
 from infire.engine import EngineClient, InprocEngineClient, MPEngineClient
 from infire.errors import EngineDeadError, InfireError
 from infire.server import openai, workers_ai
-from infire.server.errors import APIError, error_response
+from infire.server.errors import APIError, error_response, json_object
 from infire.server.metrics import CONTENT_TYPE, ServerMetrics
 from infire.server.serving import ClientDisconnected, Serving
 
@@ -133,6 +134,26 @@ def build_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(current().metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/load")
+    async def load() -> Response:
+        """What a balancer picks workers by (disagg/balancer.py): queues, prompt tokens
+        still to compute, free KV blocks, leases and transfer counters."""
+        serving = current()
+        info, stats = serving.client.model_info, serving.client.stats()
+        return JSONResponse({"role": info.kv_role, "model": serving.model_name,
+                             "block_size": info.block_size, **dataclasses.asdict(stats)})  # fmt: skip
+
+    @app.post("/kv/release")
+    async def release(request: Request) -> Response:
+        """A decode worker is done with a lease (prefill role). Outside /v1 and the API
+        key: a lease id is a 128-bit random name only its holders know."""
+        body = json_object(await request.body())
+        lease = body.get("lease")
+        if not isinstance(lease, str):
+            raise APIError(400, 'send {"lease": "<id>"}', param="lease")
+        current().client.release_kv(lease)
+        return JSONResponse({"status": "ok"})
 
     expected = (InfireError, APIError, HTTPException, RequestValidationError, ValidationError)
     for exc_type in (*expected, Exception):  # Exception: logged with its traceback, 500

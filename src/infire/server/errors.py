@@ -22,6 +22,7 @@ from infire.errors import (
     ContextLengthError,
     EngineDeadError,
     InvalidRequestError,
+    KVTransferError,
     ModelNotFoundError,
     ServerOverloadedError,
 )
@@ -63,6 +64,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(429, str(exc), type="rate_limit_error", code="server_overloaded")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), type="server_error", code="engine_dead")
+    if isinstance(exc, KVTransferError):
+        return APIError(502, str(exc), type="server_error", code="kv_transfer_failed")
     if isinstance(exc, RequestValidationError | ValidationError):
         return _validation_error(exc)
     if isinstance(exc, HTTPException):

@@ -35,6 +35,10 @@ class _EngineCollector:
             ("infire:num_requests_running", "Sequences running (in the batch)", stats.num_running),
             ("infire:num_requests_waiting", "Sequences waiting to be scheduled", stats.num_waiting),
             ("infire:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", stats.kv_cache_usage),
+            ("infire:prompt_tokens_to_compute", "Prompt tokens of queued and running sequences not computed yet", stats.num_prompt_tokens_to_compute),
+            ("infire:kv_leases", "KV leases held for decode workers (prefill role)", stats.num_leases),
+            ("infire:kv_leased_blocks", "KV blocks held under leases (prefill role)", stats.num_leased_blocks),
+            ("infire:kv_pulling", "Requests waiting for or in a KV pull (decode role)", stats.num_pulling),
         ):  # fmt: skip
             gauge = GaugeMetricFamily(name, doc, labels=names)
             gauge.add_metric(values, value)
@@ -45,6 +49,12 @@ class _EngineCollector:
             ("infire:prompt_tokens", "Prompt tokens of admitted requests", stats.num_prompt_tokens),
             ("infire:generation_tokens", "Generated tokens", stats.num_generation_tokens),
             ("infire:num_preemptions", "Sequences preempted", stats.num_preemptions),
+            ("infire:kv_leases_expired", "KV leases that expired before a decode worker released them", stats.kv_leases_expired),
+            ("infire:kv_pulls_failed", "KV pulls that failed (peer gone, checksum mismatch)", stats.kv_pulls_failed),
+            ("infire:kv_blocks_pulled", "KV blocks pulled from prefill workers", stats.kv_blocks_pulled),
+            ("infire:kv_blocks_reused", "Prompt blocks a decode worker's prefix cache held, not pulled", stats.kv_blocks_reused),
+            ("infire:kv_bytes_pulled", "Bytes of KV pulled from prefill workers", stats.kv_bytes_pulled),
+            ("infire:kv_pull_seconds", "Seconds spent in KV pulls", stats.kv_pull_seconds),
         ):  # fmt: skip
             counter = CounterMetricFamily(name, doc, labels=names)
             counter.add_metric(values, value)

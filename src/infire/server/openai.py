@@ -69,7 +69,7 @@ def build_router(current: Callable[[], Serving]) -> APIRouter:
         k = params.logprobs
         return await _answer(
             request, serving, prompt, params, explicit, "chatcmpl", "chat.completion", body.stream,
-            body.include_usage, lambda d: _chat_chunk_choice(d, k),
+            body.include_usage, body.kv_transfer_params, lambda d: _chat_chunk_choice(d, k),
             lambda o: {
                 "index": o.index,
                 "message": {"role": "assistant", "content": o.text},
@@ -88,7 +88,7 @@ def build_router(current: Callable[[], Serving]) -> APIRouter:
         k = params.logprobs
         return await _answer(
             request, serving, body.single_prompt(), params, explicit, "cmpl", "text_completion", body.stream,
-            body.include_usage, lambda d: _text_choice(d, k),
+            body.include_usage, body.kv_transfer_params, lambda d: _text_choice(d, k),
             lambda o: {
                 "index": o.index,
                 "text": o.text,
@@ -110,19 +110,24 @@ async def _answer(
     kind: str,
     stream: bool,
     include_usage: bool,
+    kv_transfer: dict | None,
     chunk_choice: Callable[[ChoiceDelta], dict[str, Any]],
     full_choice: Callable[[CompletionOutput], dict[str, Any]],
 ) -> Any:
-    """Run the request; an SSE stream of `kind` chunks, or the whole `kind` object."""
+    """Run the request; an SSE stream of `kind` chunks, or the whole `kind` object (with
+    `kv_transfer_params` on a prefill worker's answer)."""
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-    ids, deltas = serving.generate(prompt, params, request_id, explicit_max)
+    ids, deltas = serving.generate(prompt, params, request_id, explicit_max, kv_transfer, stream)
     head = {"id": request_id, "created": int(time.time()), "model": serving.model_name}
     if stream:
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
         return _stream(deltas, head, chunk_kind, include_usage, params.n, chunk_choice)
     final = await until_finished(request, deltas, ids)
     choices = [full_choice(o) for o in final.outputs]
-    return {**head, "object": kind, "choices": choices, "usage": output_usage(final)}
+    answer = {**head, "object": kind, "choices": choices, "usage": output_usage(final)}
+    if final.kv_transfer_params is not None:
+        answer["kv_transfer_params"] = final.kv_transfer_params
+    return answer
 
 
 def _stream(

@@ -67,6 +67,8 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None
+    # disaggregation (vLLM's name): what `infire balance` sends each worker's leg
+    kv_transfer_params: dict | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams (which validates the ranges)."""
@@ -170,6 +172,7 @@ class WorkersAIRequest(BaseModel):
     repetition_penalty: float | None = Field(None, ge=0, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
+    kv_transfer_params: dict | None = None  # disaggregation: see _Sampling
 
     def to_sampling_params(self) -> SamplingParams:
         return SamplingParams(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import re
 import time
 from collections.abc import AsyncIterator
@@ -18,11 +19,17 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 
 from infire.engine import ChoiceDelta, EngineClient, GenerateRequest, RequestDelta, merge_delta
-from infire.errors import ContextLengthError, ModelNotFoundError, ServerOverloadedError
+from infire.errors import (
+    ContextLengthError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    ServerOverloadedError,
+)
 from infire.outputs import CompletionOutput, RequestOutput
 from infire.sampling_params import SamplingParams
 from infire.server.metrics import ServerMetrics
 
+logger = logging.getLogger("infire.server")
 _QUANT_SUFFIX = re.compile(r"[.-](q\d\w*|f16|f32|bf16|iq\d\w*)$", re.IGNORECASE)
 
 
@@ -47,6 +54,7 @@ class Serving:
         self.max_waiting = max_waiting
         self.metrics = metrics
         self._aliases = model_aliases(model_name)
+        self._releases: set[asyncio.Task] = set()  # lease releases in flight (decode role)
 
     def check_model(self, requested: str) -> None:
         """Accept the served name, case-insensitively, also as `@cf/author/name`."""
@@ -68,12 +76,20 @@ class Serving:
         params: SamplingParams,
         request_id: str,
         explicit_max: bool = False,
+        kv_transfer: dict | None = None,
+        stream: bool = False,
     ) -> tuple[list[int], AsyncIterator[RequestDelta]]:
         """The prompt's token ids and the request's deltas. Raises now, before anything is
         queued, for invalid input (an explicit max_tokens must fit the context too) and
-        with ServerOverloadedError when the waiting queue is full."""
+        with ServerOverloadedError when the waiting queue is full. `kv_transfer` is the
+        request's kv_transfer_params (disaggregated roles, checked by the client)."""
         ids = self.client.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        deltas = self.client.generate(GenerateRequest(request_id, ids, params))
+        if stream and self.client.model_info.kv_role == "prefill":
+            raise InvalidRequestError(
+                "a prefill worker answers its leg whole: send stream false", param="stream"
+            )
+        request = GenerateRequest(request_id, ids, params, kv_transfer=kv_transfer)
+        deltas = self.client.generate(request)
         limit = self.client.model_info.max_model_len
         if explicit_max and params.max_tokens and len(ids) + params.max_tokens > limit:
             raise ContextLengthError(
@@ -87,22 +103,47 @@ class Serving:
                 f"server is overloaded: {waiting} requests are waiting (--max-waiting "
                 f"{self.max_waiting}); retry later"
             )
-        return ids, self._observed(deltas)
+        lease = None
+        if self.client.model_info.kv_role == "decode" and kv_transfer:
+            lease = (kv_transfer.get("prefill_url"), kv_transfer.get("lease"))
+        return ids, self._observed(deltas, lease)
 
-    async def _observed(self, deltas: AsyncIterator[RequestDelta]) -> AsyncIterator[RequestDelta]:
+    async def _observed(
+        self, deltas: AsyncIterator[RequestDelta], lease: tuple[str | None, str | None] | None
+    ) -> AsyncIterator[RequestDelta]:
+        """The deltas, observed into the metrics. A decode worker releases the prefill
+        worker's lease once its pull ended, or when the request ends before that."""
         last_time, reason = None, None
-        async for delta in deltas:
-            now = time.monotonic()
-            tokens = sum(len(c.token_ids) for c in delta.choices)
-            if last_time is not None and tokens:
-                for _ in range(tokens):
-                    self.metrics.itl.observe((now - last_time) / tokens)
-            if tokens:
-                last_time = now
-            reason = next((c.finish_reason for c in delta.choices if c.index == 0), reason)
-            if delta.finished:
-                self.metrics.observe_finished(delta.metrics, reason)
-            yield delta
+        try:
+            async for delta in deltas:
+                if lease is not None and delta.kv_transfer is not None:
+                    self._release(*lease)
+                    lease = None
+                now = time.monotonic()
+                tokens = sum(len(c.token_ids) for c in delta.choices)
+                if last_time is not None and tokens:
+                    for _ in range(tokens):
+                        self.metrics.itl.observe((now - last_time) / tokens)
+                if tokens:
+                    last_time = now
+                reason = next((c.finish_reason for c in delta.choices if c.index == 0), reason)
+                if delta.finished:
+                    self.metrics.observe_finished(delta.metrics, reason)
+                yield delta
+        finally:
+            if lease is not None:
+                self._release(*lease)
+
+    def _release(self, prefill_url: str | None, lease_id: str | None) -> None:
+        """Tell the prefill worker (in the background) that its lease can go; without a
+        URL, or if the call fails, the lease expires there on its own."""
+        if not prefill_url or not lease_id:
+            return
+        from infire.disagg.balancer import release_lease
+
+        task = asyncio.ensure_future(release_lease(prefill_url, lease_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
 
 class HeldTokens:

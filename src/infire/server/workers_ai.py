@@ -47,7 +47,8 @@ def build_router(current: Callable[[], Serving]) -> APIRouter:
             messages = [{"role": "user", "content": body.prompt}]
         prompt = body.prompt if body.raw and body.prompt else serving.encode_chat(messages)
         params = body.to_sampling_params()
-        ids, deltas = serving.generate(prompt, params, f"ai-{uuid.uuid4().hex}")
+        ids, deltas = serving.generate(prompt, params, f"ai-{uuid.uuid4().hex}",
+                                       kv_transfer=body.kv_transfer_params, stream=body.stream)  # fmt: skip
         if body.stream:
             return StreamingResponse(
                 _events(deltas), media_type="text/event-stream", headers=SSE_HEADERS
@@ -55,6 +56,8 @@ def build_router(current: Callable[[], Serving]) -> APIRouter:
         final: RequestOutput = await until_finished(request, deltas, ids)
         result = {"response": final.outputs[0].text,
                   "usage": _usage(len(ids), len(final.outputs[0].token_ids))}  # fmt: skip
+        if final.kv_transfer_params is not None:  # a prefill worker's leg
+            result["kv_transfer_params"] = final.kv_transfer_params
         return {"result": result, "success": True, "errors": [], "messages": []}
 
     return router
