@@ -3,10 +3,12 @@
 The workload is mixed. Long prompts arrive while short-prompt streams decode, and both
 loads are sent at once by `infire bench serve`'s load generator (`infire.bench.serve`:
 streamed /v1/completions, random prompts from the model's vocabulary, ignore_eos):
-- short: --short-requests prompts of --short-input-len tokens, --short-output-len new
-  tokens, --short-concurrency at a time;
 - long: --long-requests prompts of --long-input-len tokens (at least 1,024),
-  --long-output-len new tokens, Poisson arrivals at --long-rate a second.
+  --long-output-len new tokens, Poisson arrivals at --long-rate a second (the same
+  arrival times for both setups within a round);
+- short: --short-concurrency clients, each sending prompts of --short-input-len tokens
+  for --short-output-len new tokens one after the other, from the start until the last
+  long request has finished, so that the short streams span the whole long load.
 
 Two setups serve the default model (SmolLM2-135M-Instruct), every server flag at its
 default:
@@ -87,12 +89,13 @@ def start_servers() -> dict[str, Proc]:
 def loads(args: argparse.Namespace, tokenizer: Any, base_url: str, model: str,
           seed: int) -> list[bench.BenchConfig]:  # fmt: skip
     """The short and the long load of one measurement, on fresh prompts."""
-    short = bench.random_prompts(tokenizer, args.short_requests + 1, args.short_input_len, seed)
+    short = bench.random_prompts(tokenizer, args.short_pool + 1, args.short_input_len, seed)
     long = bench.random_prompts(tokenizer, args.long_requests, args.long_input_len, seed + 7)
     return [
         bench.BenchConfig(base_url=base_url, model=model, prompts=short[1:],
                           warmup_prompts=short[:1], output_len=args.short_output_len,
-                          max_concurrency=args.short_concurrency, label="short"),
+                          max_concurrency=args.short_concurrency, label="short",
+                          until_others_finish=True),
         bench.BenchConfig(base_url=base_url, model=model, prompts=long,
                           output_len=args.long_output_len, request_rate=args.long_rate,
                           label="long", seed=seed),
@@ -258,17 +261,18 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer, shorter requests, 1 round")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--short-requests", type=int, default=16)
+    parser.add_argument("--short-pool", type=int, default=300,
+                        help="distinct short prompts, sent in turn (default: 300)")  # fmt: skip
     parser.add_argument("--short-input-len", type=int, default=64)
     parser.add_argument("--short-output-len", type=int, default=96)
     parser.add_argument("--short-concurrency", type=int, default=4)
-    parser.add_argument("--long-requests", type=int, default=6)
+    parser.add_argument("--long-requests", type=int, default=10)
     parser.add_argument("--long-input-len", type=int, default=1024)
     parser.add_argument("--long-output-len", type=int, default=16)
     parser.add_argument("--long-rate", type=float, default=0.25, help="long prompts a second")
     args = parser.parse_args(argv)
     if args.quick:
-        args.rounds, args.short_requests, args.long_requests = 1, 6, 2
+        args.rounds, args.short_pool, args.long_requests = 1, 40, 2
         args.short_output_len = 32
     gguf = default_model_path()
     tokenizer = load_tokenizer(gguf)
@@ -301,10 +305,10 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         for proc in reversed(procs.values()):
             proc.stop()
-    workload = (f"{args.short_requests} x ({args.short_input_len} prompt + "
-                f"{args.short_output_len} new) tokens, {args.short_concurrency} at a time, "
-                f"with {args.long_requests} x ({args.long_input_len} + {args.long_output_len}) "
-                f"arriving at {args.long_rate}/s")  # fmt: skip
+    workload = (f"{args.short_concurrency} streams of ({args.short_input_len} prompt + "
+                f"{args.short_output_len} new) tokens while {args.long_requests} x "
+                f"({args.long_input_len} + {args.long_output_len}) arrive at "
+                f"{args.long_rate}/s")  # fmt: skip
     result = {
         "workload": workload, "args": vars(args), "copy": copy,
         "summaries": {"colocated": summarize(runs["colocated"], []),

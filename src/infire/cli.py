@@ -114,6 +114,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         disagg=DisaggConfig(
             role=getattr(args, "role", "both"), kv_host=getattr(args, "kv_host", "127.0.0.1"),
             lease_seconds=getattr(args, "kv_lease_timeout", 30.0),
+            kv_protocol=getattr(args, "kv_protocol", "tcp"),
         ),
     )  # fmt: skip
 
@@ -562,6 +563,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--kv-host", default="127.0.0.1",
                        help="address peers reach this worker's KV transfer engine at "
                        "(default: 127.0.0.1)")  # fmt: skip
+    group.add_argument("--kv-protocol", choices=("tcp", "rdma"), default="tcp",
+                       help="Mooncake transport: tcp, or rdma with its CUDA build "
+                       "(mooncake-transfer-engine) and RDMA NICs (default: tcp)")  # fmt: skip
     group.add_argument("--kv-lease-timeout", type=float, default=30.0,
                        help="seconds a prefill worker holds KV blocks for a decode worker "
                        "that has not released them (default: 30)")  # fmt: skip

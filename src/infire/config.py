@@ -138,12 +138,14 @@ class DisaggConfig:
     `both` (the default) is a whole engine. `prefill` runs prompts and holds their KV
     blocks for a decode engine to pull, for at most `lease_seconds`; `decode` takes
     requests with a prefill engine's handle, pulls the blocks it lacks and decodes.
-    `kv_host` is the address peers reach this engine's transfer engine at."""
+    `kv_host` is the address peers reach this engine's transfer engine at, `kv_protocol`
+    its transport (tcp; rdma with Mooncake's CUDA build and RDMA NICs)."""
 
     role: str = "both"
     connector: str = "mooncake"
     kv_host: str = "127.0.0.1"
     lease_seconds: float = 30.0
+    kv_protocol: str = "tcp"
 
     def __post_init__(self) -> None:
         if self.role not in ("both", "prefill", "decode"):

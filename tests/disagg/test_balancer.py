@@ -116,6 +116,8 @@ def test_everything_is_released_after_the_requests(cluster) -> None:
         assert load["num_leases"] == 0 and load["num_pulling"] == 0
         assert load["num_running"] == 0 and load["kv_leases_expired"] == 0
     assert _load(cluster["prefill"])["kv_leases_released"] >= 10
+    streams = _metric(cluster["balancer"], "infire_balance:time_to_first_token_seconds_count")
+    assert streams >= 8  # the streamed chat and completions requests above were timed
 
 
 def test_workers_refuse_legs_that_are_not_theirs(cluster) -> None:

@@ -98,3 +98,26 @@ def test_failures_are_counted_and_reported(tiny_server: Server, tiny_llama: Path
     missing = bench("--dataset", str(tmp_path / "none.txt"), "--base-url", tiny_server.base_url)
     assert missing.returncode == 2 and "none.txt" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+def test_mixed_loads_run_together(tiny_server: Server, tiny_llama: Path) -> None:
+    """run_many: warm-ups first, then both loads at once; the open-ended one streams until
+    the other is done, and each is summarized on its own."""
+    from infire.bench import serve as load
+    from infire.models.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_llama))
+    shorts = load.random_prompts(tokenizer, 5, 8, seed=1)
+    longs = load.random_prompts(tokenizer, 2, 120, seed=2)
+    common = {"base_url": tiny_server.base_url, "model": TINY_NAME}
+    short = load.BenchConfig(**common, prompts=shorts[1:], warmup_prompts=shorts[:1],
+                              output_len=4, max_concurrency=2, label="short",
+                              until_others_finish=True)  # fmt: skip
+    long = load.BenchConfig(**common, prompts=longs, output_len=40, request_rate=2.0,
+                             label="long")  # fmt: skip
+    short_result, long_result = load.run_many([short, long], progress=False)
+    assert long_result["summary"]["completed"] == 2
+    s = short_result["summary"]
+    assert s["failed"] == 0 and s["completed"] >= 2  # 2 clients, at least one request each
+    assert s["duration_s"] >= long_result["summary"]["duration_s"] - 0.5
+    assert short_result["settings"]["label"] == "short"

@@ -17,6 +17,7 @@ server sends it, else one token per streamed chunk). The run's summary follows v
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import random
@@ -56,6 +57,9 @@ class BenchConfig:
     label: str = "server"
     seed: int = 0
     timeout: float = 600.0
+    # in run_many: keep sending the prompts (in turn, max_concurrency at a time) until
+    # the other loads are done, so that this load covers their whole span
+    until_others_finish: bool = False
 
 
 @dataclass(slots=True)
@@ -312,13 +316,49 @@ def run(config: BenchConfig, progress: bool = True) -> dict:
 
 def run_many(configs: list[BenchConfig], progress: bool = True) -> list[dict]:
     """Run several loads at once (a mixed workload: say, long prompts arriving while short
-    ones stream); one result per config, each timed from its own start."""
+    ones stream); one result per config, each timed from its own start. Every load's
+    warm-up requests run first, then all loads start together. A load with
+    `until_others_finish` streams until every other load is done."""
 
     async def together() -> list[tuple[list[RequestResult], float]]:
-        return await asyncio.gather(*(_run(config, progress) for config in configs))
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+            for config in configs:
+                for prompt in config.warmup_prompts:
+                    await send(client, config, prompt)
+        warm = [dataclasses.replace(c, warmup_prompts=[]) for c in configs]
+        stop = asyncio.Event()
+        tasks = [asyncio.ensure_future(_run_until(c, stop) if c.until_others_finish
+                                       else _run(c, progress)) for c in warm]  # fmt: skip
+        await asyncio.gather(*(t for t, c in zip(tasks, warm, strict=True)
+                               if not c.until_others_finish))  # fmt: skip
+        stop.set()
+        return await asyncio.gather(*tasks)
 
     runs = asyncio.run(together())
     return [summarize(c, results, d) for c, (results, d) in zip(configs, runs, strict=True)]
+
+
+async def _run_until(config: BenchConfig, stop: asyncio.Event) -> tuple[list[RequestResult], float]:
+    """`max_concurrency` clients sending the prompts in turn until `stop` is set; each ends
+    its request in flight first."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(config.timeout)) as client:
+        for prompt in config.warmup_prompts:
+            await send(client, config, prompt)
+        began = time.perf_counter()
+        results: list[RequestResult] = []
+        turn = iter(range(10**9))
+
+        async def client_loop() -> None:
+            while not stop.is_set():
+                i = next(turn) % len(config.prompts)
+                sent = time.perf_counter() - began
+                result = await send(client, config, config.prompts[i])
+                result.start = sent
+                results.append(result)
+
+        await asyncio.gather(*(client_loop() for _ in range(config.max_concurrency or 1)))
+    return results, time.perf_counter() - began
 
 
 def report(result: dict) -> str:

@@ -444,20 +444,17 @@ class _TokenClock:
             tpot.observe((self.last - self.first) / (self.tokens - 1))
 
 
+_EMPTY = (b'"text": ""', b'"content": ""', b'"response": ""')
+_TEXT = (b'"text": "', b'"content": "', b'"response": "')
+
+
 def _carries_text(event: bytes) -> bool:
-    """Whether an SSE event is a chunk with generated text (chat, completion, Workers AI)."""
+    """Whether an SSE event is a chunk with generated text (chat, completion, Workers AI),
+    judged on its bytes: workers write `"key": "value"` with json.dumps' spacing, and
+    this runs for every token of every stream."""
     if not event.startswith(b"data: {"):
         return False
-    try:
-        data = json.loads(event[6:])
-    except ValueError:
-        return False
-    if data.get("response"):
-        return True
-    for choice in data.get("choices") or []:
-        if choice.get("text") or (choice.get("delta") or {}).get("content"):
-            return True
-    return False
+    return any(key in event for key in _TEXT) and not any(key in event for key in _EMPTY)
 
 
 def _prompt_key(body: dict) -> str | None:

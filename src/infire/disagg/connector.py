@@ -23,6 +23,7 @@ import os
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from infire.errors import InfireError, KVTransferError
@@ -32,23 +33,32 @@ logger = logging.getLogger("infire.disagg")
 Range = tuple[int, int, int]  # local address, peer address, bytes
 
 
+def timed(copy: Callable[..., None], *args: object) -> float:
+    """Run `copy` (on a transfer thread) and return how long the copy itself took."""
+    start = time.perf_counter()
+    copy(*args)
+    return time.perf_counter() - start
+
+
 class Transfer:
-    """One pull in progress: poll until `done`; then `error` is None or why it failed."""
+    """One pull in progress: poll until `done`; then `error` is None or why it failed, and
+    `seconds` how long the copy took on its thread (not counting the wait for polls)."""
 
     def __init__(self, future: Future, num_bytes: int) -> None:
         self._future = future
         self.num_bytes = num_bytes
-        self.started = time.monotonic()
-        self.seconds = 0.0
 
     @property
     def done(self) -> bool:
         """True once the copy has ended, well or not."""
-        if not self._future.done():
-            return False
-        if not self.seconds:
-            self.seconds = time.monotonic() - self.started
-        return True
+        return self._future.done()
+
+    @property
+    def seconds(self) -> float:
+        """The copy's own duration (0 until it ended well)."""
+        if not self._future.done() or self._future.exception() is not None:
+            return 0.0
+        return self._future.result()
 
     @property
     def error(self) -> str | None:
@@ -124,7 +134,8 @@ class MooncakeConnector(KVConnector):
 
     def pull(self, peer: str, ranges: list[Range]) -> Transfer:
         """Read the ranges from `peer` on the transfer thread."""
-        return Transfer(self._pool.submit(self._read, peer, ranges), sum(r[2] for r in ranges))
+        future = self._pool.submit(timed, self._read, peer, ranges)
+        return Transfer(future, sum(r[2] for r in ranges))
 
     def _read(self, peer: str, ranges: list[Range]) -> None:
         local, remote, lengths = (
@@ -176,7 +187,8 @@ class InprocConnector(KVConnector):
 
     def pull(self, peer: str, ranges: list[Range]) -> Transfer:
         """memmove each range, after checking it lies in the peer's registered memory."""
-        return Transfer(self._pool.submit(self._copy, peer, ranges), sum(r[2] for r in ranges))
+        future = self._pool.submit(timed, self._copy, peer, ranges)
+        return Transfer(future, sum(r[2] for r in ranges))
 
     def _copy(self, peer: str, ranges: list[Range]) -> None:
         with InprocConnector._lock:
@@ -195,10 +207,10 @@ class InprocConnector(KVConnector):
         self._pool.shutdown(wait=True)
 
 
-def make_connector(name: str, host: str = "127.0.0.1") -> KVConnector:
+def make_connector(name: str, host: str = "127.0.0.1", protocol: str = "tcp") -> KVConnector:
     """The connector called `name` ('mooncake', or 'inproc' in tests)."""
     if name == "mooncake":
-        return MooncakeConnector(host)
+        return MooncakeConnector(host, protocol)
     if name == "inproc":
         return InprocConnector()
     raise InfireError(f"unknown KV connector {name!r}; choose mooncake")

@@ -5,8 +5,9 @@ sampled tokens, detokenizes, checks stop conditions and frees the blocks of fini
 sequences, then reports a RequestDelta (what changed, not the whole output) for every
 request that changed. In a disaggregated role (disagg/transfer.py) a prefill engine
 ends each request after its first token and leases its KV blocks out, and a decode
-engine starts each request from a prefill engine's first token and pulls the KV. The engine clients (in a thread, or in the engine-core process),
-the offline API (LLM) and the CLI drive this class.
+engine starts each request from a prefill engine's first token and pulls the KV. The
+engine clients (in a thread, or in the engine-core process), the offline API (LLM) and
+the CLI drive this class.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ class LLMEngine:
             )
         layout = PoolLayout.of(self.runner.kv_caches, self.runner.num_blocks)
         dtype = str(self.dtype).removeprefix("torch.")
-        connector = make_connector(disagg.connector, disagg.kv_host)
+        connector = make_connector(disagg.connector, disagg.kv_host, disagg.kv_protocol)
         return KVTransfer(
             disagg.role, connector, layout, self.block_manager.pool,
             layout.signature(self.config.cache.block_size, dtype), disagg.lease_seconds,
