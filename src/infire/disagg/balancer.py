@@ -35,9 +35,9 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -48,6 +48,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 logger = logging.getLogger("infire.balance")
+T = TypeVar("T")
 
 POLL_SECONDS = 0.2
 BACKOFF = (0.5, 8.0)
@@ -203,12 +204,11 @@ class Balancer:
         candidates = self._up(role, exclude)
         if not candidates:
             return None
-        if role == "prefill":
-            best = min(candidates, key=Worker.prefill_load)
-            load = Worker.prefill_load
-        else:
-            best = min(candidates, key=lambda w: (w.decode_load()[0], w.decode_load()[1]))
-            load = lambda w: w.decode_load()[0]  # noqa: E731
+        best = min(candidates, key=Worker.prefill_load if role == "prefill" else Worker.decode_load)
+
+        def load(worker: Worker) -> float:  # what affinity weighs: tokens, or sequences
+            return worker.prefill_load() if role == "prefill" else worker.decode_load()[0]
+
         sticky = self.affinity.get(session) if session else None
         if sticky is not None:
             url = sticky[0] if role == "prefill" else sticky[1]
@@ -264,24 +264,35 @@ class Balancer:
 
     async def _split(self, request: Request, path: str, body: dict, headers: dict,
                      session: str | None, start: float) -> Response | None:  # fmt: skip
-        """Both legs; None when no prefill or decode worker could take them."""
+        """Both legs; None when no prefill worker could take the first."""
+        taken = await self._first_taker(
+            "prefill", session, lambda w: self._prefill_leg(w, path, body, headers)
+        )
+        if taken is None:
+            return None
+        prefill, first = taken
+        if isinstance(first, Response):  # the worker refused the request: the client's fault
+            self.requests.labels("split", "refused").inc()
+            return first
+        handle = first | {"prefill_url": prefill.url}
+        if await request.is_disconnected():  # gone between the legs
+            await release_lease(prefill.url, handle.get("lease") or "")
+            self.requests.labels("split", "client_gone").inc()
+            return Response(status_code=499)
+        return await self._decode_leg(path, body, headers, handle, session, prefill, start)
+
+    async def _first_taker(
+        self, role: str, session: str | None, leg: Callable[[Worker], Awaitable[T]]
+    ) -> tuple[Worker, T] | None:
+        """Try `leg` on the workers of `role`, best pick first, marking down each that fails
+        it, until one takes it; None if none did."""
         tried: set[str] = set()
-        while (prefill := self.pick("prefill", session, tried)) is not None:
-            tried.add(prefill.url)
+        while (worker := self.pick(role, session, tried)) is not None:
+            tried.add(worker.url)
             try:
-                first = await self._prefill_leg(prefill, path, body, headers)
+                return worker, await leg(worker)
             except LegFailed as e:
-                prefill.mark_down(str(e))
-                continue
-            if isinstance(first, Response):  # the worker refused the request: the client's
-                self.requests.labels("split", "refused").inc()
-                return first
-            handle = first | {"prefill_url": prefill.url}
-            if await request.is_disconnected():  # gone between the legs
-                await release_lease(prefill.url, handle.get("lease") or "")
-                self.requests.labels("split", "client_gone").inc()
-                return Response(status_code=499)
-            return await self._decode_leg(path, body, headers, handle, session, prefill, start)
+                worker.mark_down(str(e))
         return None
 
     async def _prefill_leg(self, worker: Worker, path: str, body: dict,
@@ -315,28 +326,27 @@ class Balancer:
                           session: str | None, prefill: Worker, start: float) -> Response:  # fmt: skip
         """Stream the decode worker's answer through; try the next decode worker while
         nothing reached the client; release the lease if no decode worker took it."""
-        tried: set[str] = set()
         leg = {**body, "kv_transfer_params": handle}
-        while (worker := self.pick("decode", session, tried)) is not None:
-            tried.add(worker.url)
+
+        async def open_leg(worker: Worker) -> httpx.Response:
             worker.sent_seqs += 1
-            try:
-                reply = await self._open(worker, path, leg, headers)
-            except LegFailed as e:
-                worker.mark_down(str(e))
-                continue
-            self.remember(session, prefill.url, worker.url)
-            if reply.status_code != 200:
-                await reply.aread()
-                await reply.aclose()
-                await release_lease(prefill.url, handle.get("lease") or "")
-                self.requests.labels("split", "refused").inc()
-                return Response(reply.content, reply.status_code, media_type="application/json")
-            self.requests.labels("split", "ok").inc()
-            return self._relay(reply, worker, path, bool(body.get("stream")), start)
-        await release_lease(prefill.url, handle.get("lease") or "")
-        self.requests.labels("split", "no_decode_worker").inc()
-        return _error(path, 502, "no decode worker could take the request", "no_worker")
+            return await self._open(worker, path, leg, headers)
+
+        taken = await self._first_taker("decode", session, open_leg)
+        if taken is None:
+            await release_lease(prefill.url, handle.get("lease") or "")
+            self.requests.labels("split", "no_decode_worker").inc()
+            return _error(path, 502, "no decode worker could take the request", "no_worker")
+        worker, reply = taken
+        self.remember(session, prefill.url, worker.url)
+        if reply.status_code != 200:
+            await reply.aread()
+            await reply.aclose()
+            await release_lease(prefill.url, handle.get("lease") or "")
+            self.requests.labels("split", "refused").inc()
+            return Response(reply.content, reply.status_code, media_type="application/json")
+        self.requests.labels("split", "ok").inc()
+        return self._relay(reply, worker, path, bool(body.get("stream")), start)
 
     async def _open(self, worker: Worker, path: str, leg: dict, headers: dict) -> httpx.Response:
         request = self.http.build_request("POST", f"{worker.url}{path}", json=leg, headers=headers)
@@ -351,18 +361,13 @@ class Balancer:
 
     async def _colocated(self, path: str, body: dict, headers: dict, start: float) -> Response:
         """The whole request on a colocated worker (n > 1, or no prefill/decode pair)."""
-        tried: set[str] = set()
-        while (worker := self.pick("both", None, tried)) is not None:
-            tried.add(worker.url)
-            try:
-                reply = await self._open(worker, path, body, headers)
-            except LegFailed as e:
-                worker.mark_down(str(e))
-                continue
-            self.requests.labels("colocated", "ok" if reply.status_code == 200 else "refused").inc()
-            return self._relay(reply, worker, path, bool(body.get("stream")), start)
-        self.requests.labels("none", "no_worker").inc()
-        return _error(path, 502, "no worker is up to take the request", "no_worker")
+        taken = await self._first_taker("both", None, lambda w: self._open(w, path, body, headers))
+        if taken is None:
+            self.requests.labels("none", "no_worker").inc()
+            return _error(path, 502, "no worker is up to take the request", "no_worker")
+        worker, reply = taken
+        self.requests.labels("colocated", "ok" if reply.status_code == 200 else "refused").inc()
+        return self._relay(reply, worker, path, bool(body.get("stream")), start)
 
     def _relay(self, reply: httpx.Response, worker: Worker, path: str, stream: bool,
                start: float) -> Response:  # fmt: skip
