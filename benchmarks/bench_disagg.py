@@ -67,7 +67,8 @@ class Proc(ServerProcess):
         command = [sys.executable, "-m", "infire.cli", *args, "--port", str(port)]
         super().__init__(name, command, port, f"{self.url}/health",
                          log=RESULTS / f"disagg-{name}.log",
-                         env={"OMP_NUM_THREADS": str(threads)}, timeout=600, poll_s=0.2)  # fmt: skip
+                         env={"OMP_NUM_THREADS": str(threads), "INFIRE_KV_SECRET": "bench"},
+                         timeout=600, poll_s=0.2)  # fmt: skip
 
 
 def start_servers() -> dict[str, Proc]:

@@ -115,6 +115,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             role=getattr(args, "role", "both"), kv_host=getattr(args, "kv_host", "127.0.0.1"),
             lease_seconds=getattr(args, "kv_lease_timeout", 30.0),
             kv_protocol=getattr(args, "kv_protocol", "tcp"),
+            secret=getattr(args, "kv_secret", None) or os.environ.get("INFIRE_KV_SECRET"),
         ),
     )  # fmt: skip
 
@@ -256,6 +257,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.no_access_log:
         logging.getLogger("infire.access").setLevel(logging.WARNING)
+    if engine_config.disagg.role == "decode" and not engine_config.disagg.secret:
+        print("infire: warning: --role decode without --kv-secret takes KV handles from "
+              "anyone who reaches it; set the same secret on the prefill and decode workers",
+              file=sys.stderr)  # fmt: skip
     config = ServerConfig(
         api_key=args.api_key or os.environ.get("INFIRE_API_KEY"),
         max_waiting=args.max_waiting,
@@ -566,6 +571,11 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--kv-protocol", choices=("tcp", "rdma"), default="tcp",
                        help="Mooncake transport: tcp, or rdma with its CUDA build "
                        "(mooncake-transfer-engine) and RDMA NICs (default: tcp)")  # fmt: skip
+    group.add_argument("--kv-secret",
+                       help="shared by a deployment's prefill and decode workers: handles "
+                       "are signed with it, and a decode worker takes no other (default: "
+                       "$INFIRE_KV_SECRET; without one, any client that reaches a decode "
+                       "worker can hand it KV)")  # fmt: skip
     group.add_argument("--kv-lease-timeout", type=float, default=30.0,
                        help="seconds a prefill worker holds KV blocks for a decode worker "
                        "that has not released them (default: 30)")  # fmt: skip

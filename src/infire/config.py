@@ -146,6 +146,10 @@ class DisaggConfig:
     kv_host: str = "127.0.0.1"
     lease_seconds: float = 30.0
     kv_protocol: str = "tcp"
+    # shared by the prefill and decode workers of a deployment: handles are signed with it
+    # and a decode worker takes no other (without it, any client that reaches a decode
+    # worker can hand it KV blocks)
+    secret: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ("both", "prefill", "decode"):

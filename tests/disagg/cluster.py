@@ -12,6 +12,7 @@ from infire.serverproc import ServerProcess, free_port
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
 from harness import TINY_NAME, Server  # noqa: E402
 
+KV_SECRET = "test-deployment-secret"  # handles are signed with it (--kv-secret)
 WORKER_ARGS = ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--served-model-name",
                TINY_NAME, "--threads-per-rank", "1"]  # fmt: skip
 
@@ -35,4 +36,4 @@ class Balancer(ServerProcess):
 def worker(model: Path, tmp: Path, role: str, *extra: str) -> Server:
     """An `infire serve --role ROLE` process for the tiny model."""
     return Server(["--model", str(model), *WORKER_ARGS, "--role", role, *extra],
-                  tmp / f"{role}.log")  # fmt: skip
+                  tmp / f"{role}.log", env={"INFIRE_KV_SECRET": KV_SECRET})  # fmt: skip

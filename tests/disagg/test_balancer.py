@@ -9,7 +9,10 @@ import time
 import httpx
 import openai
 import pytest
+from cluster import KV_SECRET
 from harness import TINY_NAME, sse_events
+
+from infire.disagg.transfer import sign
 
 SYSTEM = "You are a terse assistant. " * 12  # long enough to fill several KV blocks
 
@@ -122,29 +125,33 @@ def test_everything_is_released_after_the_requests(cluster) -> None:
 
 def test_workers_refuse_legs_that_are_not_theirs(cluster) -> None:
     body = {"model": TINY_NAME, "prompt": "hi", "max_tokens": 3}
+    fake = {"first": {"token": 5}, "lease": "x", "engine": "e", "bases": [], "block_ids": [],
+            "checksums": [], "num_tokens": 1, "prompt_hash": ""}  # fmt: skip
+    other_layout = sign(fake | {"layout": "block_size=8 dtype=float32 planes=4 bytes=0"},
+                        KV_SECRET)  # a prefill worker of the deployment, laid out otherwise  # fmt: skip
     for role, extra, needle in (
         ("prefill", {}, "--role prefill"),
         ("decode", {}, "--role decode"),
         ("both", {"kv_transfer_params": {"do_remote_decode": True}}, "--role both"),
         ("prefill", {"kv_transfer_params": {"do_remote_decode": True}, "stream": True}, "stream"),
-        (
-            "decode",
-            {
-                "kv_transfer_params": {
-                    "first": {"token": 5},
-                    "lease": "x",
-                    "engine": "e",
-                    "layout": "block_size=8 other",
-                    "bases": [],
-                    "block_ids": [],
-                    "checksums": [],
-                    "num_tokens": 1,
-                    "prompt_hash": "",
-                }
-            },
-            "heterogeneous",
-        ),  # fmt: skip
+        ("decode", {"kv_transfer_params": fake | {"signature": "0" * 64}}, "not signed"),
+        ("decode", {"kv_transfer_params": other_layout}, "heterogeneous"),
     ):
         reply = httpx.post(f"{cluster[role].base_url}/completions", json=body | extra, timeout=30)
         assert reply.status_code == 400, (role, reply.text)
         assert needle in reply.json()["error"]["message"]
+
+
+def test_forged_handle_is_refused_and_n_over_1_needs_a_colocated_worker(cluster) -> None:
+    body = {"model": TINY_NAME, "prompt": "hello there", "max_tokens": 3}
+    leg = httpx.post(f"{cluster['prefill'].base_url}/completions", timeout=30,
+                     json=body | {"kv_transfer_params": {"do_remote_decode": True}}).json()  # fmt: skip
+    handle = leg["kv_transfer_params"]
+    assert len(handle["signature"]) == 64
+    forged = handle | {"engine": "127.0.0.1:1"}  # a pull from somewhere else
+    reply = httpx.post(f"{cluster['decode'].base_url}/completions", timeout=30,
+                       json=body | {"kv_transfer_params": forged})  # fmt: skip
+    assert reply.status_code == 400 and "not signed" in reply.json()["error"]["message"]
+    httpx.post(f"{cluster['prefill'].url}/kv/release", json={"lease": handle["lease"]})
+    many = httpx.post(f"{cluster['balancer'].base_url}/completions", json=body | {"n": 2})
+    assert many.status_code == 400 and many.json()["error"]["param"] == "n"

@@ -201,3 +201,78 @@ def test_abort_of_a_leased_prefill_request_frees_the_lease(engines) -> None:
     assert prefill.stats_snapshot().num_leases == 1
     assert prefill.abort_request("z") is None  # the request itself had ended
     _assert_idle(prefill)
+
+
+def test_signed_handles_and_forgeries(tiny_llama: Path) -> None:
+    from infire.disagg.transfer import check_kv_params
+    from infire.errors import InvalidRequestError
+
+    prefill = LLMEngine(EngineConfig(
+        model=str(tiny_llama), dtype="float32", cache=CacheConfig(num_blocks=16, block_size=16),
+        disagg=DisaggConfig(role="prefill", connector="inproc", secret="s3cret"),
+    ))  # fmt: skip
+    try:
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        ids = PROMPTS[2]
+        handle = _run(prefill, GenerateRequest("g", ids, params,
+                                               kv_transfer={"do_remote_decode": True})).kv_transfer_params  # fmt: skip
+        layout, vocab = prefill.model_info.kv_layout, prefill.model_info.vocab_size
+        check_kv_params("decode", handle, ids, 1, layout, secret="s3cret", vocab_size=vocab)
+        # the balancer's prefill_url is outside the signature
+        check_kv_params("decode", handle | {"prefill_url": "http://x"}, ids, 1, layout,
+                        secret="s3cret", vocab_size=vocab)  # fmt: skip
+        forged = [handle | {"engine": "10.0.0.1:15000"}, handle | {"checksums": [0] * 3},
+                  {k: v for k, v in handle.items() if k != "signature"}]  # fmt: skip
+        for bad in forged:
+            with pytest.raises(InvalidRequestError, match="not signed"):
+                check_kv_params("decode", bad, ids, 1, layout, secret="s3cret", vocab_size=vocab)
+        with pytest.raises(InvalidRequestError, match="not signed"):  # another deployment's
+            check_kv_params("decode", handle, ids, 1, layout, secret="other", vocab_size=vocab)
+        with pytest.raises(InvalidRequestError, match="vocabulary"):
+            check_kv_params("decode", handle | {"first": {"token": vocab}}, ids, 1, layout,
+                            vocab_size=vocab)  # fmt: skip
+        with pytest.raises(InvalidRequestError, match="layout"):
+            check_kv_params("decode", handle | {"bases": handle["bases"][:-1]}, ids, 1, layout)
+        with pytest.raises(InvalidRequestError, match="logprobs"):
+            check_kv_params("decode", handle, ids, 1, layout, logprobs=True)
+        assert prefill.release_kv(handle["lease"])
+    finally:
+        prefill.shutdown()
+
+
+def test_fully_cached_prompt_releases_its_lease_at_once(engines) -> None:
+    _, prefill, decode = engines
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    ids = [(5 * j) % 200 + 3 for j in range(32)]  # two full blocks, both cached after once
+    _split(prefill, decode, "f1", ids, params)
+    pulls = decode.stats_snapshot().kv_pulls
+    first = _run(
+        prefill, GenerateRequest("f2", ids, params, kv_transfer={"do_remote_decode": True})
+    )
+    decode.add(GenerateRequest("f2", ids, params, kv_transfer=first.kv_transfer_params))
+    released = []
+    while decode.has_unfinished_requests():
+        released += [d.kv_transfer for d in decode.step() if d.kv_transfer]
+    assert released == [{"lease": first.kv_transfer_params["lease"]}]
+    assert decode.stats_snapshot().kv_pulls == pulls  # nothing was pulled
+    assert prefill.release_kv(first.kv_transfer_params["lease"])
+    _assert_idle(prefill, decode)
+
+
+def test_prompt_the_decode_pool_cannot_hold_ends_with_length(tiny_llama: Path, engines) -> None:
+    _, prefill, _ = engines
+    small = LLMEngine(EngineConfig(
+        model=str(tiny_llama), dtype="float32", cache=CacheConfig(num_blocks=2, block_size=16),
+        disagg=DisaggConfig(role="decode", connector=prefill.transfer.connector.name),
+    ))  # fmt: skip
+    try:
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        ids = [(7 * j) % 200 + 3 for j in range(40)]  # 3 blocks: more than the pool
+        first = _run(prefill, GenerateRequest("big", ids, params,
+                                              kv_transfer={"do_remote_decode": True}))  # fmt: skip
+        got = _run(small, GenerateRequest("big", ids, params, kv_transfer=first.kv_transfer_params))
+        assert got.outputs[0].finish_reason == "length" and len(got.outputs[0].token_ids) == 1
+        assert prefill.release_kv(first.kv_transfer_params["lease"])
+        _assert_idle(prefill, small)
+    finally:
+        small.shutdown()

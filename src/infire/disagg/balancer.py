@@ -43,6 +43,7 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -54,6 +55,7 @@ POLL_SECONDS = 0.2
 BACKOFF = (0.5, 8.0)
 AFFINITY_ENTRIES = 10_000
 AFFINITY_SLACK = 4.0  # a session leaves its workers when they carry 4x the least load
+AFFINITY_TOKENS, AFFINITY_SEQS = 2048, 4  # ... plus this much
 CHARS_PER_TOKEN = 4  # estimate for legs sent since the last load report
 _BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
             5.0, 10.0, 30.0)  # fmt: skip
@@ -213,7 +215,8 @@ class Balancer:
         if sticky is not None:
             url = sticky[0] if role == "prefill" else sticky[1]
             mine = next((w for w in candidates if w.url == url), None)
-            if mine is not None and load(mine) <= AFFINITY_SLACK * max(load(best), 1):
+            slack = AFFINITY_TOKENS if role == "prefill" else AFFINITY_SEQS
+            if mine is not None and load(mine) <= AFFINITY_SLACK * load(best) + slack:
                 if role == "prefill":  # counted once a request
                     self.affinity_hits.inc()
                 return mine
@@ -254,6 +257,9 @@ class Balancer:
         body.pop("kv_transfer_params", None)  # a client never sets the legs' handles
         headers = self.headers(request)
         session = request.headers.get("x-session-affinity") or _prompt_key(body)
+        if body.get("n", 1) != 1 and not any(w.role == "both" for w in self.workers):
+            return _error(path, 400, "n > 1 is not disaggregated, and this balancer has no "
+                          "colocated (--both) worker to send it to", "invalid_n", param="n")  # fmt: skip
         whole = body.get("n", 1) != 1 or not {"prefill", "decode"} <= {
             w.role for w in self.workers if w.up}  # fmt: skip
         if not whole:
@@ -276,10 +282,15 @@ class Balancer:
             return first
         handle = first | {"prefill_url": prefill.url}
         if await request.is_disconnected():  # gone between the legs
-            await release_lease(prefill.url, handle.get("lease") or "")
+            await self._release(prefill.url, handle)
             self.requests.labels("split", "client_gone").inc()
             return Response(status_code=499)
         return await self._decode_leg(path, body, headers, handle, session, prefill, start)
+
+    @staticmethod
+    async def _release(prefill_url: str, handle: dict) -> None:
+        if handle.get("lease"):
+            await release_lease(prefill_url, handle["lease"])
 
     async def _first_taker(
         self, role: str, session: str | None, leg: Callable[[Worker], Awaitable[T]]
@@ -311,15 +322,18 @@ class Balancer:
             raise LegFailed(f"prefill leg: {e!r}") from None
         finally:
             worker.in_flight -= 1
-        if reply.status_code >= 500:
-            raise LegFailed(f"prefill leg answered {reply.status_code}")
-        if reply.status_code != 200:
+        if reply.status_code == 503:  # loading, or its engine died
+            raise LegFailed("prefill leg answered 503")
+        if reply.status_code != 200:  # the request's own error: the client gets it
             return Response(reply.content, reply.status_code, media_type="application/json")
-        answer = reply.json()
+        try:
+            answer = reply.json()
+        except ValueError:
+            raise LegFailed("prefill leg answered something other than JSON") from None
         handle = (answer.get("result") or {}).get("kv_transfer_params") if path.startswith(
             "/ai/") else answer.get("kv_transfer_params")  # fmt: skip
-        if not isinstance(handle, dict):
-            raise LegFailed("prefill leg answered without kv_transfer_params")
+        if not isinstance(handle, dict):  # it ended the request itself (a prompt that never
+            return Response(reply.content, 200, media_type="application/json")  # fit its pool)
         return handle
 
     async def _decode_leg(self, path: str, body: dict, headers: dict, handle: dict,
@@ -334,15 +348,15 @@ class Balancer:
 
         taken = await self._first_taker("decode", session, open_leg)
         if taken is None:
-            await release_lease(prefill.url, handle.get("lease") or "")
+            await self._release(prefill.url, handle)
             self.requests.labels("split", "no_decode_worker").inc()
-            return _error(path, 502, "no decode worker could take the request", "no_worker")
+            return await self._colocated(path, body, headers, start)
         worker, reply = taken
         self.remember(session, prefill.url, worker.url)
         if reply.status_code != 200:
             await reply.aread()
             await reply.aclose()
-            await release_lease(prefill.url, handle.get("lease") or "")
+            await self._release(prefill.url, handle)
             self.requests.labels("split", "refused").inc()
             return Response(reply.content, reply.status_code, media_type="application/json")
         self.requests.labels("split", "ok").inc()
@@ -354,10 +368,10 @@ class Balancer:
             reply = await self.http.send(request, stream=True)
         except httpx.HTTPError as e:
             raise LegFailed(f"{worker.role} leg: {e!r}") from None
-        if reply.status_code >= 500:
+        if reply.status_code == 503:  # loading, or its engine died: try another worker
             await reply.aclose()
-            raise LegFailed(f"{worker.role} leg answered {reply.status_code}")
-        return reply
+            raise LegFailed(f"{worker.role} leg answered 503")
+        return reply  # any other error is the request's own (a failed KV pull included)
 
     async def _colocated(self, path: str, body: dict, headers: dict, start: float) -> Response:
         """The whole request on a colocated worker (n > 1, or no prefill/decode pair)."""
@@ -371,11 +385,12 @@ class Balancer:
 
     def _relay(self, reply: httpx.Response, worker: Worker, path: str, stream: bool,
                start: float) -> Response:  # fmt: skip
-        """The worker's answer, unchanged, timed as it passes."""
-        worker.in_flight += 1
+        """The worker's answer, unchanged, timed as it passes; the upstream reply is closed
+        even when the client leaves before the body starts."""
         clock = _TokenClock(start)
 
         async def body() -> AsyncIterator[bytes]:
+            worker.in_flight += 1
             try:
                 async for chunk in reply.aiter_raw():
                     if stream:
@@ -397,7 +412,8 @@ class Balancer:
             return _WholeRelay(body(), reply.status_code, path)
         media = reply.headers.get("content-type", "text/event-stream")
         return StreamingResponse(body(), status_code=reply.status_code, media_type=media,
-                                 headers={"cache-control": "no-cache"})  # fmt: skip
+                                 headers={"cache-control": "no-cache"},
+                                 background=BackgroundTask(reply.aclose))  # fmt: skip
 
 
 class _WholeRelay(Response):
@@ -471,15 +487,17 @@ def _prompt_key(body: dict) -> str | None:
     return "prompt:" + hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def _error_body(path: str, status: int, message: str, code: str) -> dict:
+def _error_body(path: str, status: int, message: str, code: str, param: str | None = None) -> dict:
     if path.startswith("/ai/"):
         return {"result": None, "success": False, "errors": [{"code": status, "message": message}],
                 "messages": []}  # fmt: skip
-    return {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def _error(path: str, status: int, message: str, code: str) -> JSONResponse:
-    return JSONResponse(_error_body(path, status, message, code), status_code=status)
+def _error(path: str, status: int, message: str, code: str, param: str | None = None
+           ) -> JSONResponse:  # fmt: skip
+    return JSONResponse(_error_body(path, status, message, code, param), status_code=status)
 
 
 class _WorkerCollector:

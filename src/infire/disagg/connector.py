@@ -25,6 +25,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin before 3.11
 
 from infire.errors import InfireError, KVTransferError
 
@@ -70,7 +71,7 @@ class Transfer:
         """Block until done or `timeout`; returns done."""
         try:
             self._future.exception(timeout=timeout)
-        except TimeoutError:
+        except FutureTimeout:
             return False
         return self.done
 

@@ -22,6 +22,8 @@ are not transferred yet; `check_transferable` says so.
 from __future__ import annotations
 
 import hashlib
+import hmac
+import json
 import struct
 import time
 import uuid
@@ -138,11 +140,28 @@ def first_token_output(fields: dict) -> SamplerOutput:
     )  # fmt: skip
 
 
+def sign(handle: dict, secret: str | None) -> dict:
+    """The handle with an HMAC-SHA256 of its contents under the workers' shared secret (as
+    it is without one). The balancer's `prefill_url` is not covered."""
+    if not secret:
+        return handle
+    return handle | {"signature": _signature(handle, secret)}
+
+
+def _signature(handle: dict, secret: str) -> str:
+    signed = {k: v for k, v in handle.items() if k not in ("signature", "prefill_url")}
+    text = json.dumps(signed, sort_keys=True, separators=(",", ":"))
+    return hmac.new(secret.encode(), text.encode(), hashlib.sha256).hexdigest()
+
+
 def check_kv_params(
-    role: str, params: dict | None, token_ids: list[int], n: int, layout: str
-) -> None:
+    role: str, params: dict | None, token_ids: list[int], n: int, layout: str,
+    *, secret: str | None = None, vocab_size: int | None = None, logprobs: bool = False,
+) -> None:  # fmt: skip
     """Refuse, before anything is queued, a request whose kv_transfer_params do not fit
-    this engine's role (InvalidRequestError naming the field)."""
+    this engine's role (InvalidRequestError naming the field). With a shared `secret` a
+    decode engine takes only handles that a prefill engine with the same secret signed:
+    pulled blocks enter its prefix cache, so a forged handle must not get there."""
     field_name = "kv_transfer_params"
     if role == "both":
         if params is not None:
@@ -168,12 +187,27 @@ def check_kv_params(
                 param=field_name,
             )
         return
-    if not isinstance(params.get("first"), dict) or "token" not in params["first"]:
+    first = params.get("first")
+    if not isinstance(first, dict) or not isinstance(first.get("token"), int):
         raise InvalidRequestError(
             f"{field_name} lacks the prefill worker's first token", param=field_name
         )
+    if secret and not hmac.compare_digest(str(params.get("signature")),
+                                          _signature(params, secret)):  # fmt: skip
+        raise InvalidRequestError(
+            f"{field_name} is not signed by a prefill worker with this worker's --kv-secret",
+            param=field_name,
+        )
+    if vocab_size is not None and not 0 <= first["token"] < vocab_size:
+        raise InvalidRequestError(f"{field_name}' first token is not in the vocabulary",
+                                  param=field_name)  # fmt: skip
+    if logprobs and not all(k in first for k in ("logprob", "rank", "top_ids", "top_logprobs")):
+        raise InvalidRequestError(
+            f"{field_name}' first token has no logprobs, but the request asks for them",
+            param=field_name,
+        )
     if params.get("lease") is None:
-        return  # the first token ended the request: nothing to pull
+        return  # the first token ended the request (the engine checks): nothing to pull
     need = ("engine", "layout", "bases", "block_ids", "checksums", "num_tokens", "prompt_hash")
     missing = [k for k in need if k not in params]
     if missing:
@@ -193,7 +227,11 @@ def check_kv_params(
             param=field_name,
         )
     block_size = int(layout.split()[0].removeprefix("block_size="))
+    planes = int(layout.split()[2].removeprefix("planes="))
     blocks = -(-len(token_ids) // block_size)
+    if len(params["bases"]) != planes or not all(isinstance(b, int) for b in params["bases"]):
+        raise InvalidRequestError(f"{field_name}' pool addresses do not match its layout",
+                                  param=field_name)  # fmt: skip
     if len(params["block_ids"]) != blocks or len(params["checksums"]) != blocks:
         raise InvalidRequestError(
             f"{field_name}' block list does not cover the prompt", param=field_name

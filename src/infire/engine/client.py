@@ -70,6 +70,7 @@ class EngineClient:
         self._ids = itertools.count()
         self._dead: str | None = None
         self._on_dead: list[Callable[[str], None]] = []
+        self.kv_secret: str | None = None  # disaggregation: checks handles (disagg/transfer)
 
     # -- the interface -------------------------------------------------------------------
 
@@ -96,8 +97,11 @@ class EngineClient:
         info = self.model_info
         check_params(request.params, info)
         check_prompt(request.prompt_token_ids, info)
-        check_kv_params(info.kv_role, request.kv_transfer, request.prompt_token_ids,
-                        request.params.n, info.kv_layout)  # fmt: skip
+        check_kv_params(
+            info.kv_role, request.kv_transfer, request.prompt_token_ids, request.params.n,
+            info.kv_layout, secret=self.kv_secret, vocab_size=info.vocab_size,
+            logprobs=request.params.logprobs is not None,
+        )  # fmt: skip
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestDelta]:
         """The request's deltas, until its finished one.
@@ -204,7 +208,9 @@ class InprocEngineClient(EngineClient):
         """Load the model and start the engine thread."""
         from infire.engine.engine import LLMEngine
 
-        return cls(LLMEngine(config))
+        client = cls(LLMEngine(config))
+        client.kv_secret = config.disagg.secret
+        return client
 
     def shutdown(self) -> None:
         """Stop the engine thread, then the engine's worker ranks; open streams end with
@@ -287,7 +293,9 @@ class MPEngineClient(EngineClient):
             context.destroy(linger=0)
             shutil.rmtree(folder, ignore_errors=True)
             raise
-        return cls(info, tokenizer, process, (context, inbox, outbox), folder)
+        client = cls(info, tokenizer, process, (context, inbox, outbox), folder)
+        client.kv_secret = config.disagg.secret
+        return client
 
     def shutdown(self) -> None:
         """Ask the core to stop, then make sure it did; remove the sockets."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from infire.config import EngineConfig, resolve_dtype
-from infire.disagg.transfer import KVTransfer, first_token_fields, first_token_output
+from infire.disagg.transfer import KVTransfer, first_token_fields, first_token_output, sign
 from infire.engine.executor import MultiprocExecutor, UniprocExecutor
 from infire.engine.kv_cache import BlockManager
 from infire.engine.messages import (
@@ -127,6 +127,10 @@ class LLMEngine:
         from infire.disagg.connector import make_connector
         from infire.disagg.transfer import PoolLayout
 
+        if self.runner.device.type != "cpu":
+            raise UnsupportedModelError(
+                f"--role {disagg.role} moves KV blocks of CPU pools only for now"
+            )
         if self.config.parallel.world_size > 1:
             raise UnsupportedModelError(
                 f"--role {disagg.role} runs one rank only for now: KV transfer between "
@@ -199,6 +203,10 @@ class LLMEngine:
         seq.metrics.first_scheduled_time = seq.metrics.first_token_time = time.monotonic()
         seq.kv_handle = dict(handle)  # marked as pulled here: the caller's stays as it was
         self._changed[seq.request_id] = None
+        if not seq.finished and not handle.get("lease"):
+            seq.error = ("the prefill worker leased no KV blocks, yet its first token did not "
+                         "end the request")  # fmt: skip
+            seq.finish("abort")
         if seq.finished:
             self._finish(seq)
         else:
@@ -330,14 +338,22 @@ class LLMEngine:
             cached = self.block_manager.acquire_cached_prefix(seq)  # full prompt blocks
             if not self.block_manager.allocate(seq, prompt):
                 self.block_manager.free(seq)
-                break  # blocks come back as running sequences finish
+                if self.scheduler.running or self._pulls:
+                    break  # blocks come back as running sequences finish
+                self._to_pull.popleft()  # nothing will ever free enough: as the scheduler
+                seq.finish("length")  # does with a prompt the pool cannot hold
+                self._finish(seq)
+                changed[seq.request_id] = None
+                continue
             self._to_pull.popleft()
             seq.num_cached_tokens = cached
             self.stats.prefix_cache_queries += prompt
             self.stats.prefix_cache_hits += cached
             pull = self.transfer.start_pull(seq.request_id, seq.kv_handle, seq.block_table,
                                             cached // bs)  # fmt: skip
-            if pull is None:
+            if pull is None:  # the prefix cache held every block: the lease can go now
+                seq.kv_handle["pulled"] = True
+                changed[seq.request_id] = None
                 self._admit_pulled(seq)
             else:
                 self._pulls[seq.seq_id] = (seq, pull)
@@ -420,7 +436,7 @@ class LLMEngine:
             blocks = seq.block_table[: self.block_manager.blocks_needed(seq.num_prompt_tokens)]
             handle |= self.transfer.hold(seq.request_id, blocks, seq.prompt_token_ids)
             seq.finish("remote_decode")
-        seq.kv_handle = handle
+        seq.kv_handle = sign(handle, self.config.disagg.secret)
 
     def _done(self, request_id: str) -> bool:
         return all(seq.finished for seq in self.requests[request_id])
