@@ -27,12 +27,13 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from infire.config import EngineConfig
-from infire.engine import EngineClient, InprocEngineClient, MPEngineClient
-from infire.errors import EngineDeadError, InfireError
-from infire.server import openai, workers_ai
+from infire.engine import EngineClient, EngineStats, InprocEngineClient, MPEngineClient
+from infire.engine.encoder import EncoderEngine, encoder_task
+from infire.errors import EngineDeadError, InfireError, InvalidRequestError, ModelNotFoundError
+from infire.server import encoders, openai, workers_ai
 from infire.server.errors import APIError, error_response, json_object
 from infire.server.metrics import CONTENT_TYPE, ServerMetrics
-from infire.server.serving import ClientDisconnected, Serving
+from infire.server.serving import ClientDisconnected, Serving, model_aliases
 
 access_log = logging.getLogger("infire.access")
 logger = logging.getLogger("infire.server")
@@ -50,21 +51,79 @@ class ServerConfig:
 
 
 class _State:
-    """The Serving once the model is loaded, or why it is not there."""
+    """The Serving (a generative model) or the EncoderEngine (an embedding, reranking or
+    classification model) once loaded, or why neither is there."""
 
     def __init__(self) -> None:
         self.serving: Serving | None = None
+        self.encoder: EncoderEngine | None = None
+        self.encoder_name = ""
+        self.encoder_metrics: ServerMetrics | None = None
         self.error: str | None = None
 
-    def current(self) -> Serving:
+    def ready(self) -> None:
+        """Raise the 503 of a model that is loading, failed or whose engine died."""
         if self.serving is not None:
             reason = self.serving.client.dead_reason
             if reason is not None:
                 raise EngineDeadError(f"engine died: {reason}")
-            return self.serving
+            return
+        if self.encoder is not None:
+            return
         if self.error is not None:
             raise APIError(503, f"model failed to load: {self.error}", type="server_error")
         raise APIError(503, "model is loading", type="server_error", code="model_loading")
+
+    def current(self) -> Serving:
+        """The generative model; a 400 when this server serves an encoder."""
+        self.ready()
+        if self.serving is None:
+            raise InvalidRequestError(
+                f"model {self.encoder_name!r} does {self.encoder.task}, not text generation",
+                param="model",
+            )
+        return self.serving
+
+    def encoder_for(self, model: str) -> EncoderEngine:
+        """The encoder model `model` names; 404 for another name, 400 for the generative
+        model of this server."""
+        self.ready()
+        if self.encoder is None:
+            self.serving.check_model(model)  # 404 for an unknown name
+            raise InvalidRequestError(
+                f"model {self.serving.model_name!r} generates text; it has no embeddings, "
+                "reranking or classification",
+                param="model",
+            )
+        if not model_aliases(_last(model)) & model_aliases(self.encoder_name):
+            raise ModelNotFoundError(
+                f"model {model!r} does not exist; this server serves {self.encoder_name!r}",
+                param="model",
+            )
+        return self.encoder
+
+    def workers_ai_encoder(self, model: str) -> EncoderEngine | None:
+        """The encoder for /ai/run/{model}, or None where that route generates text."""
+        self.ready()
+        return None if self.encoder is None else self.encoder_for(model)
+
+    def models(self) -> list[dict]:
+        """/v1/models: the served model as an OpenAI model object."""
+        self.ready()
+        if self.serving is not None:
+            name, length = self.serving.model_name, self.serving.client.model_info.max_model_len
+        else:
+            name, length = self.encoder_name, self.encoder.max_input_tokens
+        return [{"id": name, "object": "model", "created": 0, "owned_by": "infire",
+                 "max_model_len": length}]  # fmt: skip
+
+    def metrics(self) -> ServerMetrics:
+        self.ready()
+        return self.serving.metrics if self.serving is not None else self.encoder_metrics
+
+
+def _last(model: str) -> str:
+    return model.rsplit("/", 1)[-1] if model.startswith("@cf/") else model
 
 
 def create_app(
@@ -78,10 +137,14 @@ def create_app(
     and `on_engine_dead(reason)` is called (`infire serve` then exits non-zero)."""
     state = _State()
     clients: list[EngineClient] = []
+    encoders_loaded: list[EncoderEngine] = []
     stopping = threading.Event()
 
     def load() -> None:
         try:
+            if encoder_task(engine_config.model) is not None:
+                load_encoder()
+                return
             if config.engine_in_process:
                 client: EngineClient = InprocEngineClient.from_config(engine_config)
             else:
@@ -104,6 +167,22 @@ def create_app(
             state.error = str(e)
             logger.error("model failed to load: %s", e)
 
+    def load_encoder() -> None:
+        if engine_config.parallel.threads_per_rank:
+            import torch
+
+            torch.set_num_threads(engine_config.parallel.threads_per_rank)
+        encoder = EncoderEngine(engine_config.model)
+        encoders_loaded.append(encoder)
+        if stopping.is_set():
+            encoder.shutdown()
+            return
+        state.encoder_name = config.served_model_name or encoder.name
+        state.encoder_metrics = ServerMetrics(EngineStats, state.encoder_name)
+        state.encoder = encoder
+        logger.info("ready: %s (%s, %d dimensions, %d tokens a text)", state.encoder_name,
+                    encoder.task, encoder.dim, encoder.max_input_tokens)  # fmt: skip
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202 (FastAPI's lifespan protocol)
         loader = threading.Thread(target=load, name="infire-load", daemon=True)
@@ -112,28 +191,30 @@ def create_app(
         stopping.set()
         for client in clients:
             client.shutdown()
+        for encoder in encoders_loaded:
+            encoder.shutdown()
 
-    app = build_app(state.current, config, lifespan)
+    app = build_app(state, config, lifespan)
     app.state.infire = state
     return app
 
 
-def build_app(
-    current: Callable[[], Serving], config: ServerConfig, lifespan: Any = None
-) -> FastAPI:
-    """Routes, middleware and error handlers over a Serving provider."""
+def build_app(state: _State, config: ServerConfig, lifespan: Any = None) -> FastAPI:
+    """Routes, middleware and error handlers over the server's state."""
+    current = state.current
     app = FastAPI(title="infire", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.include_router(openai.build_router(current))
-    app.include_router(workers_ai.build_router(current))
+    app.include_router(openai.build_router(current, state.models))
+    app.include_router(encoders.build_router(state.encoder_for))
+    app.include_router(workers_ai.build_router(current, state.workers_ai_encoder))
 
     @app.get("/health")
     async def health() -> Response:
-        current()  # 503 until the model is loaded, and once the engine died
+        state.ready()  # 503 until the model is loaded, and once the engine died
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(current().metrics.render(), media_type=CONTENT_TYPE)
+        return Response(state.metrics().render(), media_type=CONTENT_TYPE)
 
     @app.get("/load")
     async def load() -> Response:

@@ -41,20 +41,14 @@ def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
-def build_router(current: Callable[[], Serving]) -> APIRouter:
-    """The /v1 routes over one Serving."""
+def build_router(current: Callable[[], Serving], listing: Callable[[], list[dict]]) -> APIRouter:
+    """The /v1 generation routes over one Serving, and /v1/models over `listing` (the
+    served models, each an OpenAI model object)."""
     router = APIRouter(prefix="/v1")
 
     @router.get("/models")
     async def models() -> dict:
-        serving = current()
-        return {
-            "object": "list",
-            "data": [{
-                "id": serving.model_name, "object": "model", "created": 0,
-                "owned_by": "infire", "max_model_len": serving.client.model_info.max_model_len,
-            }],
-        }  # fmt: skip
+        return {"object": "list", "data": listing()}
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Any:

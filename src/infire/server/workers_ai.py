@@ -17,8 +17,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from infire.engine import RequestDelta
+from infire.engine.encoder import EncoderEngine
 from infire.errors import InfireError, InvalidRequestError
 from infire.outputs import RequestOutput
+from infire.server import encoders
 from infire.server.errors import error_body, parse_body
 from infire.server.openai import SSE_HEADERS, sse
 from infire.server.protocol import WorkersAIRequest
@@ -30,12 +32,19 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
             "total_tokens": prompt + completion}  # fmt: skip
 
 
-def build_router(current: Callable[[], Serving]) -> APIRouter:
-    """The /ai/run route over one Serving."""
+def build_router(
+    current: Callable[[], Serving], encoder: Callable[[str], EncoderEngine | None]
+) -> APIRouter:
+    """The /ai/run route over one Serving, or over the encoder model `encoder(model)`
+    names (embeddings, reranking, classification: server/encoders.py)."""
     router = APIRouter()
 
     @router.post("/ai/run/{model:path}")
     async def run(model: str, request: Request) -> Any:
+        engine = encoder(model)
+        if engine is not None:
+            result = await encoders.workers_ai_run(engine, request)
+            return {"result": result, "success": True, "errors": [], "messages": []}
         serving = current()
         body = await parse_body(request, WorkersAIRequest)
         serving.check_model(model)
