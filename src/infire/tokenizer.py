@@ -20,6 +20,18 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from infire.errors import InvalidRequestError, ModelLoadError
 
 
+def read_tokenizer_json(folder: Path) -> tokenizers.Tokenizer:
+    """An HF folder's tokenizer.json; ModelLoadError naming the file if it is missing or
+    unreadable."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{folder}: no tokenizer.json (infire needs a fast tokenizer)")
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises plain Exception subclasses
+        raise ModelLoadError(f"{path}: cannot read tokenizer: {e}") from None
+
+
 class Tokenizer:
     """A model's tokenizer with its special tokens and chat template."""
 
@@ -48,13 +60,7 @@ class Tokenizer:
     @classmethod
     def from_hf_folder(cls, folder: Path, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
         """Load tokenizer.json, tokenizer_config.json and the chat template of an HF folder."""
-        path = folder / "tokenizer.json"
-        if not path.is_file():
-            raise ModelLoadError(f"{folder}: no tokenizer.json (infire needs a fast tokenizer)")
-        try:
-            backend = tokenizers.Tokenizer.from_file(str(path))
-        except Exception as e:  # tokenizers raises plain Exception subclasses
-            raise ModelLoadError(f"{path}: cannot read tokenizer: {e}") from None
+        backend = read_tokenizer_json(folder)
         config = _read_json(folder / "tokenizer_config.json")
         template = config.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]

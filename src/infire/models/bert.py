@@ -26,6 +26,7 @@ from infire.errors import InvalidRequestError, ModelLoadError, UnsupportedModelE
 from infire.layers.linear import LinearBase
 from infire.models.checkpoint import read_json, safetensors_files
 from infire.models.weights import SafetensorsSource, WeightSource
+from infire.tokenizer import read_tokenizer_json
 
 PoolingMode = Literal["mean", "cls", "max"]
 Task = Literal["embed", "rerank", "classify"]
@@ -561,13 +562,7 @@ def _max_length(folder: Path, config: BertConfig, sentence_config: dict[str, Any
 def _tokenizer(folder: Path, max_length: int) -> tokenizers.Tokenizer:
     """tokenizer.json, truncating (longest first, like transformers) and never padding:
     padding here is to the batch's longest, and the file's fixed padding would waste work."""
-    path = folder / "tokenizer.json"
-    if not path.is_file():
-        raise ModelLoadError(f"{folder}: no tokenizer.json (infire needs a fast tokenizer)")
-    try:
-        tokenizer = tokenizers.Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises plain Exception subclasses
-        raise ModelLoadError(f"{path}: cannot read tokenizer: {e}") from None
+    tokenizer = read_tokenizer_json(folder)
     tokenizer.enable_truncation(max_length=max_length, strategy="longest_first")
     tokenizer.no_padding()
     return tokenizer
