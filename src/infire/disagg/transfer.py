@@ -29,7 +29,7 @@ import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -37,8 +37,15 @@ from infire.disagg.connector import KVConnector, Range, Transfer
 from infire.errors import InvalidRequestError
 from infire.layers.sampler import SamplerOutput
 
-if TYPE_CHECKING:
-    from infire.engine.kv_cache import BlockPool
+
+class BlockRefs(Protocol):
+    """What a lease or a pull needs of the engine's block pool: one more holder of a block,
+    one fewer (the engine's BlockPool; this module does not reach into the engine)."""
+
+    def reference(self, block: int) -> None: ...
+
+    def release(self, block: int) -> None: ...
+
 
 ROLES = ("both", "prefill", "decode")
 
@@ -280,7 +287,7 @@ class KVTransfer:
     role: str
     connector: KVConnector
     layout: PoolLayout
-    pool: BlockPool
+    pool: BlockRefs
     signature: str
     lease_seconds: float = 30.0
     leases: dict[str, Lease] = field(default_factory=dict)
