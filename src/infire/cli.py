@@ -20,21 +20,18 @@ from infire.config import (
     SchedulerConfig,
     resolve_dtype,
 )
+from infire.config import parse_size as config_size
 from infire.engine.engine import LLMEngine
 from infire.errors import InfireError, InvalidRequestError
 from infire.sampling_params import SamplingParams
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?)?\s*$", re.IGNORECASE)
-_UNITS = {"k": 1024, "m": 1024**2, "g": 1024**3}
-
 
 def parse_size(text: str) -> int:
-    """Bytes from '536870912', '512MiB', '2G', '1.5GB' (binary units)."""
-    match = _SIZE.match(text)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r} (use e.g. 512MiB or 2GiB)")
-    number, unit = match.groups()
-    return int(float(number) * (_UNITS[unit[0].lower()] if unit else 1))
+    """Bytes from '536870912', '512MiB', '2G', '1.5GB' (binary units), for argparse."""
+    try:
+        return config_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -6,6 +6,7 @@ configs come from the CLI / Python API and are checked once in __post_init__.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -60,6 +61,19 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"k": 1024, "m": 1024**2, "g": 1024**3}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '536870912', '512MiB', '2G', '1.5GB' (binary units); ValueError else."""
+    match = _SIZE.match(str(text))
+    if match is None:
+        raise ValueError(f"invalid size {text!r} (use e.g. 512MiB or 2GiB)")
+    number, unit = match.groups()
+    return int(float(number) * (_UNITS[unit[0].lower()] if unit else 1))
 
 
 @dataclass(slots=True)
