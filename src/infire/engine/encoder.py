@@ -87,28 +87,24 @@ class EncoderEngine:
         """Tokens of a text that are read (longer texts are truncated)."""
         return self.loaded.max_length
 
-    def count_tokens(self, texts: list[str], query: str | None = None) -> list[int]:
-        """Tokens each text (or (query, text) pair) is encoded into, special tokens
-        included, after truncation."""
-        return self._bert.tokenize(self.loaded, texts, query).num_tokens
-
     async def embed(self, inputs: list[str] | list[list[int]], pooling: str | None = None
                     ) -> tuple[torch.Tensor, int]:  # fmt: skip
         """[n, dim] embeddings of texts (or token id lists), and the tokens they took."""
         self._need("embed")
-        tokens = sum(self.count_tokens(inputs))  # type: ignore[arg-type]
-        return await self._submit("embed", inputs, tokens, pooling=pooling)
+        encoded = self._bert.tokenize(self.loaded, inputs)  # once: it also counts the usage
+        return await self._submit("embed", encoded, sum(encoded.num_tokens), pooling=pooling)
 
     async def rerank(self, query: str, documents: list[str]) -> tuple[list[float], int]:
         """A relevance score per document for the query, and the tokens it took."""
         self._need("rerank")
-        tokens = sum(self.count_tokens(documents, query))
-        return await self._submit("rerank", (query, documents), tokens)
+        encoded = self._bert.tokenize(self.loaded, documents, query)
+        return await self._submit("rerank", (query, encoded), sum(encoded.num_tokens))
 
     async def classify(self, texts: list[str]) -> tuple[list[list[tuple[str, float]]], int]:
         """(label, score) pairs per text, best first, and the tokens it took."""
         self._need("classify")
-        return await self._submit("classify", texts, sum(self.count_tokens(texts)))
+        encoded = self._bert.tokenize(self.loaded, texts)
+        return await self._submit("classify", encoded, sum(encoded.num_tokens))
 
     def shutdown(self) -> None:
         """Stop the thread once the batch in hand is done; queued requests fail."""
@@ -169,12 +165,14 @@ class EncoderEngine:
         bert, loaded = self._bert, self.loaded
         kind = batch[0].kind
         if kind == "embed":
-            inputs = [x for job in batch for x in job.payload]
-            vectors = bert.embed(loaded, inputs, pooling=batch[0].options.get("pooling"))
+            parts = [job.payload for job in batch]
+            merged = parts[0] if len(parts) == 1 else bert.concat(parts, loaded.config.pad_token_id)
+            vectors = bert.embed(loaded, merged, pooling=batch[0].options.get("pooling"))
             out, start = [], 0
             for job in batch:
-                out.append((vectors[start : start + len(job.payload)], job.tokens))
-                start += len(job.payload)
+                count = len(job.payload.num_tokens)
+                out.append((vectors[start : start + count], job.tokens))
+                start += count
             return out
         job = batch[0]
         if kind == "rerank":

@@ -593,6 +593,21 @@ def _wrap_ids(loaded: LoadedBert, ids: list[int]) -> tuple[list[int], list[int]]
     return full, [0] * len(full)
 
 
+def concat(batches: list[EncodedBatch], pad_token_id: int) -> EncodedBatch:
+    """Several tokenized batches as one, right-padded to the widest."""
+    width = max(b.input_ids.shape[1] for b in batches)
+
+    def widen(t: torch.Tensor, fill: int) -> torch.Tensor:
+        return F.pad(t, (0, width - t.shape[1]), value=fill)
+
+    return EncodedBatch(
+        torch.cat([widen(b.input_ids, pad_token_id) for b in batches]),
+        torch.cat([widen(b.token_type_ids, 0) for b in batches]),
+        torch.cat([widen(b.attention_mask, 0) for b in batches]),
+        tuple(n for b in batches for n in b.num_tokens),
+    )
+
+
 def _pad(rows: list[tuple[list[int], list[int]]], pad_token_id: int) -> EncodedBatch:
     lengths = [len(ids) for ids, _ in rows]
     width = max(lengths)
