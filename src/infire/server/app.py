@@ -33,7 +33,7 @@ from infire.errors import EngineDeadError, InfireError, InvalidRequestError, Mod
 from infire.server import encoders, openai, workers_ai
 from infire.server.errors import APIError, error_response, json_object
 from infire.server.metrics import CONTENT_TYPE, ServerMetrics
-from infire.server.serving import ClientDisconnected, Serving, model_aliases
+from infire.server.serving import ClientDisconnected, Serving, names_model
 
 access_log = logging.getLogger("infire.access")
 logger = logging.getLogger("infire.server")
@@ -95,7 +95,7 @@ class _State:
                 "reranking or classification",
                 param="model",
             )
-        if not model_aliases(_last(model)) & model_aliases(self.encoder_name):
+        if not names_model(model, self.encoder_name):
             raise ModelNotFoundError(
                 f"model {model!r} does not exist; this server serves {self.encoder_name!r}",
                 param="model",
@@ -120,10 +120,6 @@ class _State:
     def metrics(self) -> ServerMetrics:
         self.ready()
         return self.serving.metrics if self.serving is not None else self.encoder_metrics
-
-
-def _last(model: str) -> str:
-    return model.rsplit("/", 1)[-1] if model.startswith("@cf/") else model
 
 
 def create_app(

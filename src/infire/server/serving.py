@@ -43,6 +43,13 @@ def model_aliases(name: str) -> set[str]:
     return {name, _QUANT_SUFFIX.sub("", name)}
 
 
+def names_model(requested: str, served: str) -> bool:
+    """Whether a request's `model` names the served one: case-insensitively, without a
+    quantization suffix, also as `@cf/author/name`."""
+    last = requested.rsplit("/", 1)[-1] if requested.startswith("@cf/") else requested
+    return bool(model_aliases(last) & model_aliases(served))
+
+
 class Serving:
     """The engine client behind the routes, with its model names, limits and metrics."""
 
@@ -53,13 +60,11 @@ class Serving:
         self.model_name = model_name
         self.max_waiting = max_waiting
         self.metrics = metrics
-        self._aliases = model_aliases(model_name)
         self._releases: set[asyncio.Task] = set()  # lease releases in flight (decode role)
 
     def check_model(self, requested: str) -> None:
         """Accept the served name, case-insensitively, also as `@cf/author/name`."""
-        last = requested.rsplit("/", 1)[-1] if requested.startswith("@cf/") else requested
-        if model_aliases(last) & self._aliases:
+        if names_model(requested, self.model_name):
             return
         raise ModelNotFoundError(
             f"model {requested!r} does not exist; this server serves {self.model_name!r}",
