@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
 .PHONY: install serve chat test lint format bench bench-serve bench-unweight bench-gateway \
-	bench-parallel bench-moe bench-disagg
+	bench-parallel bench-moe bench-disagg bench-catalog
 
 install: $(STAMP)
 
@@ -62,6 +62,10 @@ bench-moe: install
 
 bench-disagg: install
 	$(BIN)/python benchmarks/bench_disagg.py
+
+bench-catalog: install
+	$(BIN)/python benchmarks/bench_embed.py
+	$(BIN)/python benchmarks/bench_catalog.py
 
 # LiteLLM's proxy lives in its own venv (git-ignored), apart from infire's dependencies.
 bench-gateway: install

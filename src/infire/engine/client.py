@@ -18,19 +18,14 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import queue
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from infire.config import EngineConfig
 from infire.disagg.transfer import check_kv_params
+from infire.engine.link import CoreLink
 from infire.engine.messages import (
     AbortRequest,
     EngineFailed,
@@ -246,19 +241,10 @@ class InprocEngineClient(EngineClient):
 class MPEngineClient(EngineClient):
     """The engine core in its own process, over ZeroMQ; started and stopped by this client."""
 
-    def __init__(
-        self,
-        info: ModelInfo,
-        tokenizer: Tokenizer,
-        process: subprocess.Popen,
-        sockets: tuple,
-        folder: str,
-    ) -> None:
+    def __init__(self, info: ModelInfo, tokenizer: Tokenizer, link: CoreLink) -> None:
         super().__init__(info, tokenizer)
-        self.process = process
-        self._context, self._inbox, self._outbox = sockets
-        self._folder = folder
-        self._send_lock = threading.Lock()
+        self.link = link
+        self.process = link.process
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="infire-engine-io", daemon=True)
         self._thread.start()
@@ -269,109 +255,52 @@ class MPEngineClient(EngineClient):
 
         Raises ModelLoadError with the core's own message when it cannot start.
         """
-        import zmq
-
         from infire.engine.core import config_to_json
         from infire.models.loader import load_tokenizer
 
-        folder = tempfile.mkdtemp(prefix="infire-core-")
-        context = zmq.Context()
-        inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
-        inbox.bind(f"ipc://{folder}/out")
-        outbox.bind(f"ipc://{folder}/in")
-        command = [
-            sys.executable, "-m", "infire.engine.core", "--input", f"ipc://{folder}/in",
-            "--output", f"ipc://{folder}/out", "--parent-pid", str(os.getpid()),
-            "--config", config_to_json(config),
-        ]  # fmt: skip
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        link = CoreLink("infire.engine.core", ["--config", config_to_json(config)])
         try:
             tokenizer = load_tokenizer(config.model)
-            info = _wait_ready(process, inbox, timeout)
+            message = decode(link.first(timeout))
+            if isinstance(message, EngineFailed):
+                raise ModelLoadError(message.message)
+            if not isinstance(message, EngineReady):
+                raise ModelLoadError(f"the engine core said {type(message).__name__} first")
         except BaseException:
-            stop_processes([process])
-            context.destroy(linger=0)
-            shutil.rmtree(folder, ignore_errors=True)
+            link.close()
             raise
-        client = cls(info, tokenizer, process, (context, inbox, outbox), folder)
+        client = cls(message.info, tokenizer, link)
         client.kv_secret = config.disagg.secret
         return client
+
+    def footprint(self) -> int:
+        """Resident bytes of the core process and its worker ranks."""
+        return self.link.footprint()
 
     def shutdown(self) -> None:
         """Ask the core to stop, then make sure it did; remove the sockets."""
         if self._stopping:
             return
         self._stopping = True
-        if self._dead is None and self.process.poll() is None:
-            with contextlib.suppress(EngineDeadError):
-                self._send(Shutdown())
+        goodbye = encode(Shutdown()) if self._dead is None else None
         self._die("the engine was shut down", died=False)
-        stop_processes([self.process])
+        self.link.close(goodbye)
         self._thread.join(timeout=5)
-        self._context.destroy(linger=0)
-        shutil.rmtree(self._folder, ignore_errors=True)
 
     def _send(self, message: Message) -> None:
-        """Send to the core; a core that is gone raises EngineDeadError instead of blocking
-        (a PUSH socket without its peer would wait forever)."""
-        import zmq
-
-        data = encode(message)
-        with self._send_lock:
-            while True:
-                try:
-                    self._outbox.send(data, flags=zmq.NOBLOCK)
-                    return
-                except zmq.Again:
-                    code = self.process.poll()
-                    if code is not None:
-                        reason = (
-                            f"the engine-core process (pid {self.process.pid}) exited with {code}"
-                        )
-                        self._die(reason)
-                        raise EngineDeadError(f"engine died: {reason}") from None
-                    time.sleep(0.001)  # the core is alive and behind: its queue is full
+        self.link.send(encode(message), self._die)
 
     def _run(self) -> None:
-        """Receive outputs; notice within a tenth of a second when the core process ends."""
+        """Receive outputs until shut down, or until the core process ends."""
+
+        def deliver(data: bytes) -> None:
+            message = decode(data)
+            if isinstance(message, StepOutputs):
+                self._deliver(message)
+
         try:
-            while not self._stopping:
-                if self._inbox.poll(100):
-                    message = decode(self._inbox.recv())
-                    if isinstance(message, StepOutputs):
-                        self._deliver(message)
-                    continue
-                code = self.process.poll()
-                if code is not None and not self._stopping:
-                    pid = self.process.pid
-                    self._die(f"the engine-core process (pid {pid}) exited with {code}")
-                    return
+            self.link.receive_loop(deliver, lambda: self._stopping, self._die)
         except Exception as e:  # a broken message must fail the streams, not strand them
             if not self._stopping:
                 self._die(f"engine-core messages failed: {e!r}")
                 self.process.kill()
-
-
-def _wait_ready(process: subprocess.Popen, inbox: object, timeout: float | None) -> ModelInfo:
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while deadline is None or time.monotonic() < deadline:
-        if inbox.poll(100):
-            message = decode(inbox.recv())
-            if isinstance(message, EngineReady):
-                return message.info
-            if isinstance(message, EngineFailed):
-                raise ModelLoadError(message.message)
-        elif process.poll() is not None:
-            raise ModelLoadError(f"the engine-core process exited with {process.returncode}")
-    raise ModelLoadError(f"the engine core did not start within {timeout}s")
-
-
-def stop_processes(processes: list[subprocess.Popen]) -> None:
-    """Wait briefly for each process to exit, then terminate, then kill."""
-    for stop in (None, "terminate", "kill"):
-        alive = [p for p in processes if p.poll() is None]
-        for process in alive if stop else []:
-            getattr(process, stop)()
-        for process in alive:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=5)

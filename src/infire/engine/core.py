@@ -28,6 +28,7 @@ from infire.config import (
     SchedulerConfig,
 )
 from infire.engine.engine import LLMEngine
+from infire.engine.link import child_sockets
 from infire.engine.messages import (
     AbortRequest,
     EngineFailed,
@@ -122,8 +123,6 @@ def die_with_parent(parent_pid: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the engine-core process."""
-    import zmq
-
     parser = argparse.ArgumentParser(prog="infire-engine-core")
     parser.add_argument("--input", required=True, help="ZeroMQ address the commands come from")
     parser.add_argument("--output", required=True, help="ZeroMQ address outputs go to")
@@ -133,11 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front, which stops us
     die_with_parent(args.parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    context = zmq.Context()
-    inbox = context.socket(zmq.PULL)
-    inbox.connect(args.input)
-    outbox = context.socket(zmq.PUSH)
-    outbox.connect(args.output)
+    _, inbox, outbox = child_sockets(args.input, args.output)
     try:
         engine = LLMEngine(config_from_json(args.config))
     except Exception as e:  # reported to the front, which shows it on /health

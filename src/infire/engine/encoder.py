@@ -8,13 +8,22 @@ texts fit `max_batch_tokens`. It encodes them as one padded batch and hands each
 its own rows. Torch releases the GIL inside the forward, so the event loop keeps serving
 while a batch runs. Results do not depend on the batch a text lands in beyond float
 rounding (padding is masked; tests/models/test_bert.py checks batched against alone).
+
+`infire serve` runs each encoder in its own process (`python -m infire.engine.encoder`,
+started by MPEncoderClient, which has the same async methods), with its own torch
+threads, so that its forward never shares the HTTP server's GIL.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
+import itertools
 import logging
 import queue
+import signal
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +31,17 @@ from typing import Any
 
 import torch
 
-from infire.errors import EngineDeadError, InvalidRequestError
+from infire.engine.link import CoreLink, child_sockets
+from infire.engine.messages import (
+    EncodeRequest,
+    EncodeResult,
+    EncoderReady,
+    EngineFailed,
+    Shutdown,
+    decode,
+    encode,
+)
+from infire.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 
 logger = logging.getLogger("infire.engine.encoder")
 
@@ -81,6 +100,15 @@ class EncoderEngine:
     def dim(self) -> int:
         """Width of an embedding."""
         return self.loaded.config.hidden_size
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine stopped, or None while it runs."""
+        return self._dead
+
+    def footprint(self) -> None:
+        """In this process its bytes cannot be told apart from the server's: None."""
+        return None
 
     @property
     def max_input_tokens(self) -> int:
@@ -198,3 +226,215 @@ def _settle(future: asyncio.Future, result: Any) -> None:
         future.set_exception(result)
     else:
         future.set_result(result)
+
+
+class MPEncoderClient:
+    """An EncoderEngine in its own process, with EncoderEngine's async methods."""
+
+    def __init__(self, link: CoreLink, ready: EncoderReady) -> None:
+        self.link = link
+        self.name, self.task, self.dim = ready.name, ready.task, ready.dim
+        self.max_input_tokens, self.dtype = ready.max_input_tokens, ready.dtype
+        self._futures: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._dead: str | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="infire-encoder-io", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start(
+        cls, folder: str | Path, dtype: str, threads: int | None = None,
+        max_batch_tokens: int = 16384, timeout: float | None = None,
+    ) -> MPEncoderClient:  # fmt: skip
+        """Start the encoder process and wait until its model is loaded (ModelLoadError
+        with the process's own message when it cannot)."""
+        args = ["--model", str(folder), "--dtype", dtype, "--max-batch-tokens",
+                str(max_batch_tokens), *(["--threads", str(threads)] if threads else [])]  # fmt: skip
+        link = CoreLink("infire.engine.encoder", args)
+        try:
+            message = decode(link.first(timeout))
+            if isinstance(message, EngineFailed):
+                raise ModelLoadError(message.message)
+            if not isinstance(message, EncoderReady):
+                raise ModelLoadError(f"the encoder process said {type(message).__name__} first")
+        except BaseException:
+            link.close()
+            raise
+        return cls(link, message)
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the encoder process stopped, or None while it runs."""
+        return self._dead
+
+    def footprint(self) -> int:
+        """Resident bytes of the encoder process."""
+        return self.link.footprint()
+
+    async def embed(self, inputs: list[str] | list[list[int]], pooling: str | None = None
+                    ) -> tuple[torch.Tensor, int]:  # fmt: skip
+        """[n, dim] float32 embeddings of texts (or token id lists), and their tokens."""
+        result = await self._call("embed", inputs, pooling=pooling)
+        data = torch.frombuffer(bytearray(result.data), dtype=torch.float32)
+        return data.reshape(result.shape), result.tokens
+
+    async def rerank(self, query: str, documents: list[str]) -> tuple[list[float], int]:
+        """A relevance score per document for the query, and the tokens it took."""
+        result = await self._call("rerank", documents, query=query)
+        return result.scores, result.tokens
+
+    async def classify(self, texts: list[str]) -> tuple[list[list[tuple[str, float]]], int]:
+        """(label, score) pairs per text, best first, and the tokens it took."""
+        result = await self._call("classify", texts)
+        return [[(label, score) for label, score in row] for row in result.labels], result.tokens
+
+    def shutdown(self) -> None:
+        """Stop the process (requests in flight fail with EngineDeadError)."""
+        if self._stopping:
+            return
+        self._stopping = True
+        goodbye = encode(Shutdown()) if self._dead is None else None
+        self._die("the encoder was shut down")
+        self.link.close(goodbye)
+        self._thread.join(timeout=5)
+
+    async def _call(self, kind: str, inputs: list, **options: Any) -> EncodeResult:
+        if self.task != kind:
+            raise InvalidRequestError(
+                f"model {self.name!r} does {self.task}, not {kind}", param="model"
+            )
+        if self._dead is not None:
+            raise EngineDeadError(f"encoder stopped: {self._dead}")
+        request_id = f"enc-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            self._futures[request_id] = (loop, future)
+        try:
+            self.link.send(encode(EncodeRequest(request_id, kind, inputs, **options)), self._die)
+            result: EncodeResult = await future
+        finally:
+            with self._lock:
+                self._futures.pop(request_id, None)
+        if result.error is not None:
+            cls = InvalidRequestError if result.invalid else EngineDeadError
+            raise cls(result.error)
+        return result
+
+    def _run(self) -> None:
+        def deliver(data: bytes) -> None:
+            result = decode(data)
+            with self._lock:
+                target = self._futures.get(getattr(result, "request_id", ""))
+            if target is not None:
+                target[0].call_soon_threadsafe(_settle, target[1], result)
+
+        try:
+            self.link.receive_loop(deliver, lambda: self._stopping, self._die)
+        except Exception as e:  # a broken message fails the requests, not strands them
+            if not self._stopping:
+                self._die(f"encoder messages failed: {e!r}")
+                self.link.process.kill()
+
+    def _die(self, reason: str) -> None:
+        if self._dead is not None:
+            return
+        self._dead = reason
+        if not self._stopping:
+            logger.error("encoder process died: %s", reason)
+        with self._lock:
+            waiting = list(self._futures.values())
+        for loop, future in waiting:
+            with contextlib.suppress(RuntimeError):  # that event loop is closed
+                loop.call_soon_threadsafe(_settle, future, EngineDeadError(reason))
+
+
+async def _answer(engine: EncoderEngine, request: EncodeRequest) -> EncodeResult:
+    """Run one request in the encoder process."""
+    rid = request.request_id
+    try:
+        if request.kind == "embed":
+            vectors, tokens = await engine.embed(request.inputs, pooling=request.pooling)
+            vectors = vectors.float().contiguous()
+            return EncodeResult(rid, tokens, vectors.numpy().tobytes(), list(vectors.shape))
+        if request.kind == "rerank":
+            scores, tokens = await engine.rerank(request.query or "", request.inputs)
+            return EncodeResult(rid, tokens, scores=[float(x) for x in scores])
+        labels, tokens = await engine.classify(request.inputs)
+        rows = [[[label, float(score)] for label, score in row] for row in labels]
+        return EncodeResult(rid, tokens, labels=rows)
+    except InvalidRequestError as e:
+        return EncodeResult(rid, error=str(e), invalid=True)
+    except Exception as e:  # the request fails; the process keeps serving
+        logger.exception("encoder request failed")
+        return EncodeResult(rid, error=f"encoder failed: {e!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the encoder process (started by MPEncoderClient)."""
+    from infire.config import resolve_dtype
+    from infire.engine.core import die_with_parent
+
+    parser = argparse.ArgumentParser(prog="infire-encoder")
+    parser.add_argument("--input", required=True)
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int)
+    parser.add_argument("--max-batch-tokens", type=int, default=16384)
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front decides when we stop
+    die_with_parent(args.parent_pid)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    _, inbox, outbox = child_sockets(args.input, args.output)
+    send_lock = threading.Lock()
+
+    def send(message: EncodeResult | EncoderReady | EngineFailed) -> None:
+        with send_lock:
+            outbox.send(encode(message))
+
+    try:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        # auto: bfloat16 where the CPU multiplies it natively (AVX512-BF16, AMX), else float32
+        engine = EncoderEngine(args.model, resolve_dtype(args.dtype, "cpu"), args.max_batch_tokens)
+    except Exception as e:  # reported to the front
+        send(EngineFailed(str(e) or repr(e)))
+        outbox.close(linger=2000)
+        return 1
+    send(EncoderReady(engine.name, engine.task, engine.dim, engine.max_input_tokens,
+                      str(engine.dtype).removeprefix("torch.")))  # fmt: skip
+    loop = asyncio.new_event_loop()
+    running: set[asyncio.Task] = set()
+
+    async def handle(request: EncodeRequest) -> None:
+        send(await _answer(engine, request))
+
+    def start(request: EncodeRequest) -> None:
+        task = loop.create_task(handle(request))
+        running.add(task)
+        task.add_done_callback(running.discard)
+
+    def read() -> None:
+        while True:
+            message = decode(inbox.recv())
+            if isinstance(message, Shutdown):
+                loop.call_soon_threadsafe(loop.stop)
+                return
+            if isinstance(message, EncodeRequest):
+                loop.call_soon_threadsafe(start, message)
+
+    threading.Thread(target=read, name="infire-encoder-read", daemon=True).start()
+    try:
+        loop.run_forever()
+    finally:
+        engine.shutdown()
+    outbox.close(linger=1000)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

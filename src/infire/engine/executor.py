@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from infire.config import EngineConfig, ParallelConfig
-from infire.engine.client import stop_processes
+from infire.engine.link import stop_processes
 from infire.engine.messages import (
     Message,
     NewSequence,

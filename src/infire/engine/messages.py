@@ -149,6 +149,44 @@ class EngineFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class EncodeRequest:
+    """An encoder request (engine/encoder.py): embed texts or token id lists, score
+    documents against a query (rerank), or label texts (classify)."""
+
+    request_id: str
+    kind: str  # embed | rerank | classify
+    inputs: list  # texts, or lists of token ids (embed)
+    query: str | None = None  # rerank
+    pooling: str | None = None  # embed: mean or cls (None: the model's own)
+
+
+@dataclass(frozen=True, slots=True)
+class EncodeResult:
+    """An encoder request's answer: float32 vectors (embed, `data` with `shape`), scores
+    (rerank) or (label, score) pairs per text (classify); or the error that stopped it."""
+
+    request_id: str
+    tokens: int = 0
+    data: bytes | None = None
+    shape: list[int] | None = None
+    scores: list[float] | None = None
+    labels: list[list[list]] | None = None
+    error: str | None = None
+    invalid: bool = False  # the error is the request's fault (a 400), not the engine's
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderReady:
+    """The encoder process loaded its model."""
+
+    name: str
+    task: str
+    dim: int
+    max_input_tokens: int
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
 class StepOutputs:
     """The deltas of one loop iteration, and the stats after it."""
 
@@ -206,7 +244,7 @@ class SampledTokens:
 
 Message = (
     GenerateRequest | AbortRequest | ReleaseKV | Shutdown | EngineReady | EngineFailed | StepOutputs
-    | StepInput | SampledTokens
+    | StepInput | SampledTokens | EncodeRequest | EncodeResult | EncoderReady
 )  # fmt: skip
 
 
@@ -246,7 +284,8 @@ def merge_delta(output: RequestOutput | None, delta: RequestDelta) -> RequestOut
 
 _TAGS = {
     GenerateRequest: 1, AbortRequest: 2, Shutdown: 3, EngineReady: 4, EngineFailed: 5,
-    StepOutputs: 6, StepInput: 7, SampledTokens: 8, ReleaseKV: 9,
+    StepOutputs: 6, StepInput: 7, SampledTokens: 8, ReleaseKV: 9, EncodeRequest: 10,
+    EncodeResult: 11, EncoderReady: 12,
 }  # fmt: skip
 _TYPES = {tag: cls for cls, tag in _TAGS.items()}
 

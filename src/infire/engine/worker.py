@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from infire.config import EngineConfig, resolve_dtype
-from infire.engine.client import stop_processes
 from infire.engine.executor import (
     TAG_HIDDEN,
     TAG_SAMPLED,
@@ -34,6 +33,7 @@ from infire.engine.executor import (
     set_rank_threads,
     wait_all,
 )
+from infire.engine.link import stop_processes
 from infire.engine.messages import SampledTokens, StepInput
 from infire.engine.request import Sequence, SequenceStatus
 from infire.engine.runner import ModelRunner

@@ -265,6 +265,15 @@ class LoadedBert:
         return tuple(f"LABEL_{i}" for i in range(self.num_labels))
 
 
+def describe(folder: str | Path) -> dict[str, int]:
+    """max_input_tokens and output_dimensions of a BERT-family folder, from its configs
+    (nothing loaded)."""
+    folder = Path(folder).expanduser()
+    config = BertConfig.from_dict(read_json(folder / "config.json", required=True))
+    max_length = _max_length(folder, config, _sentence_bert_config(folder))
+    return {"max_input_tokens": max_length, "output_dimensions": config.hidden_size}
+
+
 def load_bert(folder: str | Path, dtype: torch.dtype = torch.float32) -> LoadedBert:
     """Read a BERT-family Hugging Face folder (config, safetensors, tokenizer.json, and the
     sentence-transformers files when present) into a CPU model ready to serve, in `dtype`.

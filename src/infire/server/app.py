@@ -1,18 +1,21 @@
-"""The ASGI app of `infire serve`: OpenAI and Workers AI routes, health, metrics.
+"""The ASGI app of `infire serve`: OpenAI and Workers AI routes, the catalog, health, metrics.
 
-The socket opens at once and the model loads in a background thread: `/health` answers
-503 until it is ready, and so do generation routes. Around the routes: an optional API
-key (Bearer), a request body size limit (413), a structured access log line per request
-(JSON on the `infire.access` logger, with the `x-session-affinity` header), and the error
-mapping of errors.py.
+The server serves a catalog of models (server/catalog.py, catalog/manager.py): `--model`
+is a catalog of one, no arguments the default catalog. The socket opens at once; pinned
+and preloaded models load in the background (`/health` answers 503 until they are
+ready), the others on their first request, within the memory budget. Around the routes:
+an optional API key (Bearer), a request body size limit (413), a structured access log
+line per request (JSON on the `infire.access` logger, with the `x-session-affinity`
+header), the release of the request's model leases when its response ends, and the
+error mapping of errors.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -26,14 +29,16 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from infire.config import EngineConfig, resolve_dtype
-from infire.engine import EngineClient, EngineStats, InprocEngineClient, MPEngineClient
-from infire.engine.encoder import EncoderEngine, encoder_task
-from infire.errors import EngineDeadError, InfireError, InvalidRequestError, ModelNotFoundError
+from infire.catalog.config import Catalog
+from infire.catalog.manager import request_leases
+from infire.config import EngineConfig
+from infire.errors import InfireError
+from infire.server import catalog as catalog_routes
 from infire.server import encoders, openai, workers_ai
+from infire.server.catalog import ServedModels
 from infire.server.errors import APIError, error_response, json_object
-from infire.server.metrics import CONTENT_TYPE, ServerMetrics
-from infire.server.serving import ClientDisconnected, Serving, names_model
+from infire.server.metrics import CONTENT_TYPE
+from infire.server.serving import ClientDisconnected
 
 access_log = logging.getLogger("infire.access")
 logger = logging.getLogger("infire.server")
@@ -41,85 +46,22 @@ logger = logging.getLogger("infire.server")
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    """HTTP-side settings of `infire serve`."""
+    """HTTP-side settings of `infire serve`, and the catalog it serves."""
 
+    catalog: Catalog
+    memory_budget: int  # bytes for every loaded model's processes: weights, KV, runtime
     api_key: str | None = None
     max_waiting: int = 256  # waiting sequences beyond which new requests get 429
     max_body_bytes: int = 4 * 1024**2
-    served_model_name: str | None = None
-    engine_in_process: bool = False  # the engine core in a thread instead of its own process
+    engine_in_process: bool = False  # engine cores in threads instead of their own processes
+    evict_hold_s: float = 1.0  # a model loaded this recently is not evicted
 
 
-class _State:
-    """The Serving (a generative model) or the EncoderEngine (an embedding, reranking or
-    classification model) once loaded, or why neither is there."""
+def default_memory_budget(fraction: float = 0.8) -> int:
+    """`fraction` of the memory available now (psutil's `available`)."""
+    import psutil
 
-    def __init__(self) -> None:
-        self.serving: Serving | None = None
-        self.encoder: EncoderEngine | None = None
-        self.encoder_name = ""
-        self.encoder_metrics: ServerMetrics | None = None
-        self.error: str | None = None
-
-    def ready(self) -> None:
-        """Raise the 503 of a model that is loading, failed or whose engine died."""
-        if self.serving is not None:
-            reason = self.serving.client.dead_reason
-            if reason is not None:
-                raise EngineDeadError(f"engine died: {reason}")
-            return
-        if self.encoder is not None:
-            return
-        if self.error is not None:
-            raise APIError(503, f"model failed to load: {self.error}", type="server_error")
-        raise APIError(503, "model is loading", type="server_error", code="model_loading")
-
-    def current(self) -> Serving:
-        """The generative model; a 400 when this server serves an encoder."""
-        self.ready()
-        if self.serving is None:
-            raise InvalidRequestError(
-                f"model {self.encoder_name!r} does {self.encoder.task}, not text generation",
-                param="model",
-            )
-        return self.serving
-
-    def encoder_for(self, model: str) -> EncoderEngine:
-        """The encoder model `model` names; 404 for another name, 400 for the generative
-        model of this server."""
-        self.ready()
-        if self.encoder is None:
-            self.serving.check_model(model)  # 404 for an unknown name
-            raise InvalidRequestError(
-                f"model {self.serving.model_name!r} generates text; it has no embeddings, "
-                "reranking or classification",
-                param="model",
-            )
-        if not names_model(model, self.encoder_name):
-            raise ModelNotFoundError(
-                f"model {model!r} does not exist; this server serves {self.encoder_name!r}",
-                param="model",
-            )
-        return self.encoder
-
-    def workers_ai_encoder(self, model: str) -> EncoderEngine | None:
-        """The encoder for /ai/run/{model}, or None where that route generates text."""
-        self.ready()
-        return None if self.encoder is None else self.encoder_for(model)
-
-    def models(self) -> list[dict]:
-        """/v1/models: the served model as an OpenAI model object."""
-        self.ready()
-        if self.serving is not None:
-            name, length = self.serving.model_name, self.serving.client.model_info.max_model_len
-        else:
-            name, length = self.encoder_name, self.encoder.max_input_tokens
-        return [{"id": name, "object": "model", "created": 0, "owned_by": "infire",
-                 "max_model_len": length}]  # fmt: skip
-
-    def metrics(self) -> ServerMetrics:
-        self.ready()
-        return self.serving.metrics if self.serving is not None else self.encoder_metrics
+    return int(psutil.virtual_memory().available * fraction)
 
 
 def create_app(
@@ -127,98 +69,52 @@ def create_app(
     config: ServerConfig,
     on_engine_dead: Callable[[str], None] | None = None,
 ) -> FastAPI:
-    """The app; the engine loads when the app starts (lifespan), in a background thread.
+    """The app; pinned and preloaded models load when the app starts (lifespan), in the
+    background.
 
-    When the engine core dies, open requests end with `engine_dead`, /health answers 503
-    and `on_engine_dead(reason)` is called (`infire serve` then exits non-zero)."""
-    state = _State()
-    clients: list[EngineClient] = []
-    encoders_loaded: list[EncoderEngine] = []
-    stopping = threading.Event()
-
-    def load() -> None:
-        try:
-            if encoder_task(engine_config.model) is not None:
-                load_encoder()
-                return
-            if config.engine_in_process:
-                client: EngineClient = InprocEngineClient.from_config(engine_config)
-            else:
-                client = MPEngineClient.start(engine_config)
-            clients.append(client)
-            if stopping.is_set():  # the server stopped while the model loaded
-                client.shutdown()
-                return
-            if on_engine_dead is not None:
-                client.on_dead(on_engine_dead)
-            info = client.model_info
-            name = config.served_model_name or info.name
-            metrics = ServerMetrics(client.stats, name)
-            state.serving = Serving(client, name, config.max_waiting, metrics)
-            logger.info(
-                "ready: %s (%s, %d KV tokens of %d bytes, CPU kernels %s)", name,
-                info.architecture, info.num_kv_tokens, info.kv_bytes_per_token, info.fused_status,
-            )  # fmt: skip
-        except Exception as e:  # reported on /health and every route
-            state.error = str(e)
-            logger.error("model failed to load: %s", e)
-
-    def load_encoder() -> None:
-        if engine_config.parallel.threads_per_rank:
-            import torch
-
-            torch.set_num_threads(engine_config.parallel.threads_per_rank)
-        # auto: bfloat16 where the CPU multiplies it natively (AVX512-BF16, AMX), else float32
-        encoder = EncoderEngine(engine_config.model, resolve_dtype(engine_config.dtype, "cpu"))
-        encoders_loaded.append(encoder)
-        if stopping.is_set():
-            encoder.shutdown()
-            return
-        state.encoder_name = config.served_model_name or encoder.name
-        state.encoder_metrics = ServerMetrics(EngineStats, state.encoder_name)
-        state.encoder = encoder
-        logger.info("ready: %s (%s, %d dimensions, %d tokens a text, %s)", state.encoder_name,
-                    encoder.task, encoder.dim, encoder.max_input_tokens,
-                    str(encoder.dtype).removeprefix("torch."))  # fmt: skip
+    When a pinned model's engine dies, its open requests end with `engine_dead`, /health
+    answers 503 and `on_engine_dead(reason)` is called (`infire serve` then exits
+    non-zero). An on-demand model whose engine died is loaded again by its next request."""
+    models = ServedModels(
+        config.catalog, engine_config, config.memory_budget, config.max_waiting,
+        in_process=config.engine_in_process, hold_s=config.evict_hold_s,
+        on_engine_dead=on_engine_dead,
+    )  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202 (FastAPI's lifespan protocol)
-        loader = threading.Thread(target=load, name="infire-load", daemon=True)
-        loader.start()
+        startup = asyncio.ensure_future(models.start())
         yield
-        stopping.set()
-        for client in clients:
-            client.shutdown()
-        for encoder in encoders_loaded:
-            encoder.shutdown()
+        startup.cancel()
+        await models.manager.close()
 
-    app = build_app(state, config, lifespan)
-    app.state.infire = state
+    app = build_app(models, config, lifespan)
+    app.state.infire = models
     return app
 
 
-def build_app(state: _State, config: ServerConfig, lifespan: Any = None) -> FastAPI:
-    """Routes, middleware and error handlers over the server's state."""
-    current = state.current
+def build_app(models: ServedModels, config: ServerConfig, lifespan: Any = None) -> FastAPI:
+    """Routes, middleware and error handlers over the server's models."""
     app = FastAPI(title="infire", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.include_router(openai.build_router(current, state.models))
-    app.include_router(encoders.build_router(state.encoder_for))
-    app.include_router(workers_ai.build_router(current, state.workers_ai_encoder))
+    app.include_router(openai.build_router(models.generative, models.listing))
+    app.include_router(encoders.build_router(models.encoder))
+    app.include_router(workers_ai.build_router(models.any))
+    app.include_router(catalog_routes.build_router(models))
 
     @app.get("/health")
     async def health() -> Response:
-        state.ready()  # 503 until the model is loaded, and once the engine died
+        models.health()  # 503 until the pinned models are loaded, and once one died
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(state.metrics().render(), media_type=CONTENT_TYPE)
+        return Response(models.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/load")
     async def load() -> Response:
         """What a balancer picks workers by (disagg/balancer.py): queues, prompt tokens
         still to compute, free KV blocks, leases and transfer counters."""
-        serving = current()
+        serving = models.sole_generative()
         info, stats = serving.client.model_info, serving.client.stats()
         return JSONResponse({"role": info.kv_role, "model": serving.model_name,
                              "block_size": info.block_size, **dataclasses.asdict(stats)})  # fmt: skip
@@ -231,7 +127,7 @@ def build_app(state: _State, config: ServerConfig, lifespan: Any = None) -> Fast
         lease = body.get("lease")
         if not isinstance(lease, str):
             raise APIError(400, 'send {"lease": "<id>"}', param="lease")
-        current().client.release_kv(lease)
+        models.sole_generative().client.release_kv(lease)
         return JSONResponse({"status": "ok"})
 
     expected = (InfireError, APIError, HTTPException, RequestValidationError, ValidationError)
@@ -275,7 +171,8 @@ class _Guard:
                 error = refusal or APIError(413, f"request body is larger than {limit} bytes")
                 await self._answer(scope, error, send_logged)
                 return
-            await self.app(scope, replay, send_logged)
+            with request_leases():  # the models this request uses, held until it ends
+                await self.app(scope, replay, send_logged)
         finally:
             access_log.info(json.dumps({
                 "method": scope["method"], "path": path, "status": status[0],

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import base64
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from infire.engine.encoder import EncoderEngine
 from infire.errors import InvalidRequestError
 from infire.server.errors import parse_body
 
@@ -81,15 +80,15 @@ def _encoded(vector: Any, encoding: str) -> list[float] | str:
     return vector.tolist()
 
 
-def build_router(current: Callable[[str], EncoderEngine]) -> APIRouter:
-    """The OpenAI-side encoder routes over `current(model) -> EncoderEngine` (which raises
-    for a model that is not an encoder of this server)."""
+def build_router(current: Callable[[str], Awaitable[Any]]) -> APIRouter:
+    """The OpenAI-side encoder routes over `await current(model)`: an EncoderEngine or an
+    MPEncoderClient (it raises for a model that is not an encoder of this server)."""
     router = APIRouter(prefix="/v1")
 
     @router.post("/embeddings")
     async def embeddings(request: Request) -> dict:
         body = await parse_body(request, EmbeddingRequest)
-        engine = current(body.model)
+        engine = await current(body.model)
         if body.encoding_format not in ("float", "base64"):
             raise InvalidRequestError("encoding_format must be float or base64",
                                       param="encoding_format")  # fmt: skip
@@ -110,7 +109,7 @@ def build_router(current: Callable[[str], EncoderEngine]) -> APIRouter:
     @router.post("/rerank")
     async def rerank(request: Request) -> dict:
         body = await parse_body(request, RerankRequest)
-        engine = current(body.model)
+        engine = await current(body.model)
         documents = [d if isinstance(d, str) else d.text for d in body.documents]
         scores, tokens = await engine.rerank(body.query, documents)
         order = sorted(range(len(scores)), key=lambda i: -scores[i])[: body.top_n]
@@ -126,7 +125,7 @@ def build_router(current: Callable[[str], EncoderEngine]) -> APIRouter:
     return router
 
 
-async def workers_ai_run(engine: EncoderEngine, request: Request) -> Any:
+async def workers_ai_run(engine: Any, request: Request) -> Any:
     """The `result` of /ai/run/{model} for an encoder model, in its task's shape."""
     body = await parse_body(request, WorkersAIEncoderRequest)
     if engine.task == "embed":

@@ -1,7 +1,9 @@
 """The one place where errors become HTTP responses.
 
 OpenAI routes answer `{"error": {"message", "type", "param", "code"}}`; Workers AI routes
-(`/ai/...`) answer their envelope `{"result": null, "success": false, "errors": [...]}`.
+(`/ai/...`) answer their envelope `{"result": null, "success": false, "errors": [...]}`,
+whose code is the HTTP status except where Workers AI has its own: 5007 (no such model,
+HTTP 400) and 3040 (capacity temporarily exceeded, HTTP 429 with Retry-After).
 A response never carries a stack trace: unexpected exceptions are logged and answered 500.
 """
 
@@ -18,6 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+from infire.catalog.manager import CapacityError
 from infire.errors import (
     ContextLengthError,
     EngineDeadError,
@@ -40,11 +43,13 @@ class APIError(Exception):
     type: str = "invalid_request_error"
     code: str | None = None
     param: str | None = None
+    workers_ai_code: int | None = None  # the envelope's code where it is not the status
+    headers: dict[str, str] | None = None
 
     def body(self, workers_ai: bool = False) -> dict:
         """The JSON body in the API's shape."""
         if workers_ai:
-            error = {"code": self.status, "message": self.message}
+            error = {"code": self.workers_ai_code or self.status, "message": self.message}
             return {"result": None, "success": False, "errors": [error], "messages": []}
         error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
         return {"error": error}
@@ -60,6 +65,9 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(400, str(exc), code="context_length_exceeded", param=exc.param)
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), param=exc.param)
+    if isinstance(exc, CapacityError):
+        return APIError(429, str(exc), type="rate_limit_error", code="model_capacity_exceeded",
+                        workers_ai_code=3040, headers={"Retry-After": str(exc.retry_after)})  # fmt: skip
     if isinstance(exc, ServerOverloadedError):
         return APIError(429, str(exc), type="rate_limit_error", code="server_overloaded")
     if isinstance(exc, EngineDeadError):
@@ -113,4 +121,6 @@ def error_response(request: Request, exc: BaseException) -> JSONResponse:
     """The JSONResponse for exc on this route."""
     error = to_api_error(exc)
     workers_ai = request.url.path.startswith("/ai/")
-    return JSONResponse(error.body(workers_ai), status_code=error.status)
+    if workers_ai and isinstance(exc, ModelNotFoundError):
+        error = APIError(400, str(exc), param="model", workers_ai_code=5007)
+    return JSONResponse(error.body(workers_ai), status_code=error.status, headers=error.headers)

@@ -1,13 +1,16 @@
 """Prometheus metrics under `infire:` with vLLM's names.
 
-Engine state (running / waiting requests, KV cache usage, token and prefix-cache
-counters) is the engine client's latest stats snapshot at scrape time; latencies are histograms observed by
-the routes as requests stream and finish. Each app owns its registry (no global state).
+One registry per server, every sample labelled with its `model_name`. Engine state
+(running / waiting requests, KV cache usage, token and prefix-cache counters) is each
+loaded generative model's latest stats snapshot at scrape time; latencies are histograms
+observed by the routes as requests stream and finish. The catalog adds its own collector
+(catalog/manager.py: load state, bytes, loads and evictions per model, the budget). Each
+app owns its registry (no global state).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -21,16 +24,23 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
 
 
 class _EngineCollector:
-    """Gauges and counters taken from the engine when Prometheus scrapes."""
+    """Gauges and counters taken from the engines when Prometheus scrapes."""
 
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
-        self.stats = stats
-        self.labels = {"model_name": model_name}
+    def __init__(self, engines: Callable[[], Iterable[tuple[str, EngineStats]]]) -> None:
+        self.engines = engines
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        stats = self.stats()
-        names = list(self.labels)
-        values = list(self.labels.values())
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+        for model_name, stats in self.engines():
+            for family, value in self._samples(stats):
+                families.setdefault(family.name, family).add_metric([model_name], value)
+        yield from families.values()
+
+    @staticmethod
+    def _samples(
+        stats: EngineStats,
+    ) -> Iterator[tuple[GaugeMetricFamily | CounterMetricFamily, float]]:
+        names = ["model_name"]
         for name, doc, value in (
             ("infire:num_requests_running", "Sequences running (in the batch)", stats.num_running),
             ("infire:num_requests_waiting", "Sequences waiting to be scheduled", stats.num_waiting),
@@ -40,9 +50,7 @@ class _EngineCollector:
             ("infire:kv_leased_blocks", "KV blocks held under leases (prefill role)", stats.num_leased_blocks),
             ("infire:kv_pulling", "Requests waiting for or in a KV pull (decode role)", stats.num_pulling),
         ):  # fmt: skip
-            gauge = GaugeMetricFamily(name, doc, labels=names)
-            gauge.add_metric(values, value)
-            yield gauge
+            yield GaugeMetricFamily(name, doc, labels=names), value
         for name, doc, value in (
             ("infire:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", stats.prefix_cache_queries),
             ("infire:prefix_cache_hits", "Prompt tokens found in the prefix cache", stats.prefix_cache_hits),
@@ -56,23 +64,19 @@ class _EngineCollector:
             ("infire:kv_bytes_pulled", "Bytes of KV pulled from prefill workers", stats.kv_bytes_pulled),
             ("infire:kv_pull_seconds", "Seconds spent in KV pulls", stats.kv_pull_seconds),
         ):  # fmt: skip
-            counter = CounterMetricFamily(name, doc, labels=names)
-            counter.add_metric(values, value)
-            yield counter
+            yield CounterMetricFamily(name, doc, labels=names), value
 
 
 class ServerMetrics:
-    """The registry of one server, and what routes observe into it."""
+    """The registry of one server: the engines' samples and the routes' histograms."""
 
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+    def __init__(self, engines: Callable[[], Iterable[tuple[str, EngineStats]]]) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(stats, model_name))
-        self.model_name = model_name
+        self.registry.register(_EngineCollector(engines))
 
         def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(
-                name, doc, ["model_name"], registry=self.registry, buckets=_LATENCY_BUCKETS
-            ).labels(model_name)
+            return Histogram(name, doc, ["model_name"], registry=self.registry,
+                             buckets=_LATENCY_BUCKETS)  # fmt: skip
 
         self.ttft = histogram("infire:time_to_first_token_seconds", "Time to first token")
         self.itl = histogram("infire:inter_token_latency_seconds", "Time between tokens")
@@ -83,6 +87,26 @@ class ServerMetrics:
             ["model_name", "finished_reason"], registry=self.registry,
         )  # fmt: skip
 
+    def for_model(self, model_name: str) -> ModelMetrics:
+        """What one model's routes observe into."""
+        return ModelMetrics(self, model_name)
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)
+
+
+class ModelMetrics:
+    """One model's histograms and finish counter (children of the server's)."""
+
+    def __init__(self, server: ServerMetrics, model_name: str) -> None:
+        self.model_name = model_name
+        self.ttft = server.ttft.labels(model_name)
+        self.itl = server.itl.labels(model_name)
+        self.e2e = server.e2e.labels(model_name)
+        self.queue = server.queue.labels(model_name)
+        self._success = server.success
+
     def observe_finished(self, m: RequestMetrics | None, finish_reason: str | None) -> None:
         """Record a finished request's latencies and its (first choice's) finish reason."""
         if m is None or m.finished_time is None:
@@ -92,8 +116,4 @@ class ServerMetrics:
             self.ttft.observe(m.first_token_time - m.arrival_time)
         if m.first_scheduled_time is not None:
             self.queue.observe(m.first_scheduled_time - m.arrival_time)
-        self.success.labels(self.model_name, finish_reason or "abort").inc()
-
-    def render(self) -> bytes:
-        """The text exposition format."""
-        return generate_latest(self.registry)
+        self._success.labels(self.model_name, finish_reason or "abort").inc()

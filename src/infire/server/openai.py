@@ -11,17 +11,18 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
 
 from infire.engine import ChoiceDelta, RequestDelta
 from infire.errors import InfireError
 from infire.outputs import CompletionOutput, Logprob
 from infire.sampling_params import SamplingParams
-from infire.server.errors import error_body, parse_body
+from infire.server.errors import error_body, json_object
 from infire.server.protocol import ChatCompletionRequest, CompletionRequest
 from infire.server.serving import (
     HeldTokens,
@@ -32,6 +33,7 @@ from infire.server.serving import (
     usage,
 )
 
+M = TypeVar("M", bound=BaseModel)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -41,9 +43,24 @@ def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
-def build_router(current: Callable[[], Serving], listing: Callable[[], list[dict]]) -> APIRouter:
-    """The /v1 generation routes over one Serving, and /v1/models over `listing` (the
-    served models, each an OpenAI model object)."""
+Models = Callable[[str], Awaitable[Serving]]
+
+
+async def parse_for_model(request: Request, kind: type[M], models: Models) -> tuple[M, Serving]:
+    """The body as `kind`, with the catalog's default parameters of the model it names
+    under the ones it sets, and that model's Serving (404 for an unknown model)."""
+    raw = json_object(await request.body())
+    body = kind.model_validate(raw)
+    serving = await models(body.model)
+    if serving.defaults:
+        body = kind.model_validate({**serving.defaults, **raw})
+    return body, serving
+
+
+def build_router(generative: Models, listing: Callable[[], list[dict]]) -> APIRouter:
+    """The /v1 generation routes over the generative model each request names
+    (`generative(model)`), and /v1/models over `listing` (the catalog, each entry an
+    OpenAI model object)."""
     router = APIRouter(prefix="/v1")
 
     @router.get("/models")
@@ -52,9 +69,7 @@ def build_router(current: Callable[[], Serving], listing: Callable[[], list[dict
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        serving = current()
-        body = await parse_body(request, ChatCompletionRequest)
-        serving.check_model(body.model)
+        body, serving = await parse_for_model(request, ChatCompletionRequest, generative)
         body.check_supported()
         params = body.to_sampling_params()
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -74,9 +89,7 @@ def build_router(current: Callable[[], Serving], listing: Callable[[], list[dict
 
     @router.post("/completions")
     async def completions(request: Request) -> Any:
-        serving = current()
-        body = await parse_body(request, CompletionRequest)
-        serving.check_model(body.model)
+        body, serving = await parse_for_model(request, CompletionRequest, generative)
         params = body.to_sampling_params()
         explicit = "max_tokens" in body.model_fields_set
         k = params.logprobs

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import re
 import time
 from collections.abc import AsyncIterator
 
@@ -22,54 +21,47 @@ from infire.engine import ChoiceDelta, EngineClient, GenerateRequest, RequestDel
 from infire.errors import (
     ContextLengthError,
     InvalidRequestError,
-    ModelNotFoundError,
     ServerOverloadedError,
 )
 from infire.outputs import CompletionOutput, RequestOutput
 from infire.sampling_params import SamplingParams
-from infire.server.metrics import ServerMetrics
+from infire.server.metrics import ModelMetrics
 
 logger = logging.getLogger("infire.server")
-_QUANT_SUFFIX = re.compile(r"[.-](q\d\w*|f16|f32|bf16|iq\d\w*)$", re.IGNORECASE)
 
 
 class ClientDisconnected(Exception):
     """The client closed the connection; its request was aborted."""
 
 
-def model_aliases(name: str) -> set[str]:
-    """Lower-case ids that name the served model: itself and without a quantization suffix."""
-    name = name.lower().removesuffix(".gguf")
-    return {name, _QUANT_SUFFIX.sub("", name)}
-
-
-def names_model(requested: str, served: str) -> bool:
-    """Whether a request's `model` names the served one: case-insensitively, without a
-    quantization suffix, also as `@cf/author/name`."""
-    last = requested.rsplit("/", 1)[-1] if requested.startswith("@cf/") else requested
-    return bool(model_aliases(last) & model_aliases(served))
-
-
 class Serving:
-    """The engine client behind the routes, with its model names, limits and metrics."""
+    """A generative model's engine client behind the routes, with its name, default
+    request parameters (the catalog's), limits and metrics."""
 
     def __init__(
-        self, client: EngineClient, model_name: str, max_waiting: int, metrics: ServerMetrics
-    ) -> None:
+        self, client: EngineClient, model_name: str, max_waiting: int, metrics: ModelMetrics,
+        defaults: dict | None = None,
+    ) -> None:  # fmt: skip
         self.client = client
         self.model_name = model_name
         self.max_waiting = max_waiting
         self.metrics = metrics
+        self.defaults = defaults or {}
         self._releases: set[asyncio.Task] = set()  # lease releases in flight (decode role)
 
-    def check_model(self, requested: str) -> None:
-        """Accept the served name, case-insensitively, also as `@cf/author/name`."""
-        if names_model(requested, self.model_name):
-            return
-        raise ModelNotFoundError(
-            f"model {requested!r} does not exist; this server serves {self.model_name!r}",
-            param="model",
-        )
+    @property
+    def dead_reason(self) -> str | None:
+        """Why its engine stopped, or None while it runs."""
+        return self.client.dead_reason
+
+    def footprint(self) -> int | None:
+        """Resident bytes of its engine processes (None in-process: not separable)."""
+        footprint = getattr(self.client, "footprint", None)
+        return footprint() if footprint is not None else None
+
+    def shutdown(self) -> None:
+        """Stop its engine (requests still running end with engine_dead)."""
+        self.client.shutdown()
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Prompt token ids of a conversation, through the model's chat template."""

@@ -3,25 +3,26 @@
 Answers `{"result": {"response", "usage"}, "success": true, "errors": [], "messages": []}`,
 or, with `stream: true`, events `data: {"response": "..."}`, a last event with the usage
 and `data: [DONE]`. Errors come in the same envelope with `success: false` (errors.py).
-Model ids like `@cf/huggingface/smollm2-135m-instruct` name the loaded model. A `prompt`
-goes through the chat template as one user message unless `raw` is true, as on Workers AI.
+Model ids like `@cf/huggingface/smollm2-135m-instruct` name a catalog model (an unknown
+one is error 5007); an encoder model takes its task's input (server/encoders.py). A
+`prompt` goes through the chat template as one user message unless `raw` is true, as on
+Workers AI. The catalog's default parameters of the model apply under the request's.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from infire.engine import RequestDelta
-from infire.engine.encoder import EncoderEngine
 from infire.errors import InfireError, InvalidRequestError
 from infire.outputs import RequestOutput
 from infire.server import encoders
-from infire.server.errors import error_body, parse_body
+from infire.server.errors import error_body, json_object
 from infire.server.openai import SSE_HEADERS, sse
 from infire.server.protocol import WorkersAIRequest
 from infire.server.serving import Serving, until_finished
@@ -32,22 +33,19 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
             "total_tokens": prompt + completion}  # fmt: skip
 
 
-def build_router(
-    current: Callable[[], Serving], encoder: Callable[[str], EncoderEngine | None]
-) -> APIRouter:
-    """The /ai/run route over one Serving, or over the encoder model `encoder(model)`
-    names (embeddings, reranking, classification: server/encoders.py)."""
+def build_router(models: Callable[[str], Awaitable[Any]]) -> APIRouter:
+    """The /ai/run route over the model `models(model)` gives: a Serving, or an encoder
+    (embeddings, reranking, classification: server/encoders.py)."""
     router = APIRouter()
 
     @router.post("/ai/run/{model:path}")
     async def run(model: str, request: Request) -> Any:
-        engine = encoder(model)
-        if engine is not None:
-            result = await encoders.workers_ai_run(engine, request)
+        serving = await models(model)
+        if not isinstance(serving, Serving):
+            result = await encoders.workers_ai_run(serving, request)
             return {"result": result, "success": True, "errors": [], "messages": []}
-        serving = current()
-        body = await parse_body(request, WorkersAIRequest)
-        serving.check_model(model)
+        raw = json_object(await request.body())
+        body = WorkersAIRequest.model_validate({**serving.defaults, **raw})
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("send exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
