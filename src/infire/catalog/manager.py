@@ -127,7 +127,7 @@ class ModelManager:
         budget: int,
         load: Callable[[CatalogEntry], Any],
         inspect: Callable[[CatalogEntry], tuple[int, dict]],
-        hold_s: float = 1.0,
+        hold_s: float = 0.5,
     ) -> None:
         self.catalog = catalog
         self.budget = budget

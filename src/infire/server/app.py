@@ -54,7 +54,7 @@ class ServerConfig:
     max_waiting: int = 256  # waiting sequences beyond which new requests get 429
     max_body_bytes: int = 4 * 1024**2
     engine_in_process: bool = False  # engine cores in threads instead of their own processes
-    evict_hold_s: float = 1.0  # a model loaded this recently is not evicted
+    evict_hold_s: float = 0.5  # a model loaded this recently is not evicted
 
 
 def default_memory_budget(fraction: float = 0.8) -> int:

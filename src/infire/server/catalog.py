@@ -54,7 +54,7 @@ class ServedModels:
         budget: int,
         max_waiting: int,
         in_process: bool = False,
-        hold_s: float = 1.0,
+        hold_s: float = 0.5,
         on_engine_dead: Callable[[str], None] | None = None,
     ) -> None:
         self.engine_config = engine_config
