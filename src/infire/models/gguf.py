@@ -133,8 +133,37 @@ class _PlainArrayReader(GGUFReader):
 
     GGUFReader slices its `data` a few hundred thousand times to parse a vocabulary, and each
     slice of an np.memmap pays for the subclass's bookkeeping: 13 s instead of 3 s for
-    SmolLM2's 49k tokens and merges.
+    SmolLM2's 49k tokens and merges. Arrays are read whole here instead of one element at
+    a time: an array of numbers as one ndarray view, an array of strings as one list of
+    str. That takes SmolLM2's metadata from 1.4 s to about 0.1 s. `_field_value` reads
+    both forms.
     """
+
+    def _get_field_parts(
+        self, orig_offs: int, raw_type: int
+    ) -> tuple[int, list[Any], list[int], list[GGUFValueType]]:
+        if GGUFValueType(raw_type) != GGUFValueType.ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        offs, count, item = orig_offs + 12, int(alen[0]), GGUFValueType(raw_itype[0])
+        nptype = self.gguf_scalar_to_np.get(item)
+        if nptype is not None:
+            values = self._get(offs, nptype, count)
+            return (
+                12 + int(values.nbytes),
+                [raw_itype, alen, values],
+                [2],
+                [GGUFValueType.ARRAY, item],
+            )
+        if item != GGUFValueType.STRING:  # nested arrays: GGUFReader's own way
+            return super()._get_field_parts(orig_offs, raw_type)
+        data, strings = memoryview(self._plain_data), []
+        for _ in range(count):
+            length = int.from_bytes(data[offs : offs + 8], "little")
+            strings.append(_text(data[offs + 8 : offs + 8 + length]))
+            offs += 8 + length
+        return offs - orig_offs, [raw_itype, alen, strings], [2], [GGUFValueType.ARRAY, item]
 
     @property
     def data(self) -> np.ndarray:
@@ -151,6 +180,9 @@ def _field_value(field: ReaderField) -> Any:
     kind = field.types[0] if field.types else None
     if kind == GGUFValueType.ARRAY:
         item = field.types[-1]
+        whole = field.parts[field.data[0]] if len(field.data) == 1 else None
+        if isinstance(whole, list):  # read whole by _PlainArrayReader: strings
+            return whole
         if item == GGUFValueType.STRING:
             return [_text(field.parts[index]) for index in field.data]
         if item == GGUFValueType.ARRAY or not field.data:
