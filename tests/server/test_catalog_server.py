@@ -45,7 +45,8 @@ def _complete(server: Server, model: str, **extra: object) -> httpx.Response:
 
 
 def _engine_processes(server: Server) -> list[str]:
-    """Command lines of the server's engine processes (cores and encoders)."""
+    """Command lines of the server's engine processes: engine cores and encoders, and the
+    spare one (`infire.engine.spare`) that the next on-demand load runs in."""
     children = psutil.Process(server.pid).children(recursive=True)
     lines = []
     for child in children:
@@ -53,7 +54,7 @@ def _engine_processes(server: Server) -> list[str]:
             line = " ".join(child.cmdline())
         except psutil.Error:
             continue
-        if "infire.engine.core" in line or "infire.engine.encoder" in line:
+        if "-m infire.engine." in line:
             lines.append(line)
     return lines
 
@@ -105,7 +106,8 @@ def test_alternating_models_evict_each_other_under_the_budget(one_fits: Server) 
     assert loads == {"tiny-a": 2, "tiny-b": 2}
     assert evictions["tiny-a"] == 2 and evictions["tiny-b"] == 1
     assert after["tiny-b"]["state"] == "ready" and after["tiny-a"]["state"] == "unloaded"
-    assert len(_engine_processes(one_fits)) == 1  # the evicted engine's process is gone
+    # The evicted engines' processes are gone: tiny-b's and the spare are left.
+    assert len(_engine_processes(one_fits)) == 2
     metrics = one_fits.metrics()
     assert metrics["infire:model_loads_total"] >= 4
     assert metrics["infire:model_evictions_total"] >= 3
@@ -190,10 +192,11 @@ def test_concurrent_first_requests_share_one_load(roomy: Server) -> None:
 
 
 def test_an_encoder_runs_in_its_own_process(roomy: Server) -> None:
+    before = len(_engine_processes(roomy))
     response = httpx.post(f"{roomy.base_url}/embeddings",
                           json={"model": "minilm", "input": ["a", "b"]}, timeout=60)  # fmt: skip
     assert response.status_code == 200 and len(response.json()["data"]) == 2
-    assert any("infire.engine.encoder" in line for line in _engine_processes(roomy))
+    assert len(_engine_processes(roomy)) == before + 1  # its process, and a new spare
     measured = _status(roomy)["minilm"]["measured_bytes"]
     assert measured is not None and measured > 50 * 2**20
     # A generative model is not an encoder, and the other way round: 400 naming the model.

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from infire.config import EngineConfig
 from infire.disagg.transfer import check_kv_params
-from infire.engine.link import CoreLink
+from infire.engine.link import CoreLink, SparePool
 from infire.engine.messages import (
     AbortRequest,
     EngineFailed,
@@ -250,15 +250,20 @@ class MPEngineClient(EngineClient):
         self._thread.start()
 
     @classmethod
-    def start(cls, config: EngineConfig, timeout: float | None = None) -> MPEngineClient:
-        """Start the engine-core process and wait until its model is loaded.
+    def start(
+        cls, config: EngineConfig, timeout: float | None = None, spares: SparePool | None = None
+    ) -> MPEngineClient:
+        """Start the engine-core process (in the pool's spare, if there is one) and wait
+        until its model is loaded.
 
         Raises ModelLoadError with the core's own message when it cannot start.
         """
         from infire.engine.core import config_to_json
         from infire.models.loader import load_tokenizer
 
-        link = CoreLink("infire.engine.core", ["--config", config_to_json(config)])
+        args = ["--config", config_to_json(config)]
+        core = "infire.engine.core"
+        link = spares.start(core, args) if spares is not None else CoreLink(core, args)
         try:
             tokenizer = load_tokenizer(config.model)
             message = decode(link.first(timeout))

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from infire.engine.link import CoreLink, child_sockets
+from infire.engine.link import CoreLink, SparePool, child_sockets
 from infire.engine.messages import (
     EncodeRequest,
     EncodeResult,
@@ -247,12 +247,14 @@ class MPEncoderClient:
     def start(
         cls, folder: str | Path, dtype: str, threads: int | None = None,
         max_batch_tokens: int = 16384, timeout: float | None = None,
+        spares: SparePool | None = None,
     ) -> MPEncoderClient:  # fmt: skip
         """Start the encoder process and wait until its model is loaded (ModelLoadError
         with the process's own message when it cannot)."""
         args = ["--model", str(folder), "--dtype", dtype, "--max-batch-tokens",
                 str(max_batch_tokens), *(["--threads", str(threads)] if threads else [])]  # fmt: skip
-        link = CoreLink("infire.engine.encoder", args)
+        module = "infire.engine.encoder"
+        link = spares.start(module, args) if spares is not None else CoreLink(module, args)
         try:
             message = decode(link.first(timeout))
             if isinstance(message, EngineFailed):

@@ -7,6 +7,11 @@ folder, starts `python -m MODULE --input ... --output ... --parent-pid ... ARGS`
 waits for the first message (ready or failed). Sending never blocks on a dead child: it
 notices the exit and raises EngineDeadError. `close` stops the process (asking first,
 then terminate, then kill) and removes the sockets.
+
+A spare (`CoreLink.spare()`, kept by SparePool) is a child started ahead of need: it
+imports torch and both engine modules, then waits on its stdin for the module and
+arguments it is to run (`become`). A catalog server keeps one, so that loading a model
+on demand does not pay the second of imports.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ class CoreLink:
     """`python -m module` as our child, with its command and output sockets."""
 
     def __init__(self, module: str, args: list[str]) -> None:
+        """Start `python -m module` with `args` (`module` None: a spare, which is told its
+        module later through `become`)."""
         import zmq
 
         self.folder = tempfile.mkdtemp(prefix="infire-core-")
@@ -38,12 +45,26 @@ class CoreLink:
         self.inbox.bind(f"ipc://{self.folder}/out")
         self.outbox.bind(f"ipc://{self.folder}/in")
         command = [
-            sys.executable, "-m", module, "--input", f"ipc://{self.folder}/in",
-            "--output", f"ipc://{self.folder}/out", "--parent-pid", str(os.getpid()), *args,
+            sys.executable, "-m", module or "infire.engine.spare", "--input",
+            f"ipc://{self.folder}/in", "--output", f"ipc://{self.folder}/out",
+            "--parent-pid", str(os.getpid()), *args,
         ]  # fmt: skip
-        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        stdin = subprocess.PIPE if module is None else subprocess.DEVNULL
+        self.process = subprocess.Popen(command, stdin=stdin)
         self._send_lock = threading.Lock()
         self.closed = False
+
+    @classmethod
+    def spare(cls) -> CoreLink:
+        """A child that imports the engine and waits to be told what to run."""
+        return cls(None, [])  # type: ignore[arg-type]
+
+    def become(self, module: str, args: list[str]) -> None:
+        """Tell a spare which engine module to run, with which arguments."""
+        import json
+
+        self.process.stdin.write((json.dumps({"module": module, "args": args}) + "\n").encode())
+        self.process.stdin.close()
 
     def first(self, timeout: float | None) -> bytes:
         """The child's first message (its ready or failed one); ModelLoadError when it exits
@@ -109,9 +130,46 @@ class CoreLink:
         if goodbye is not None and self.process.poll() is None:
             with contextlib.suppress(EngineDeadError):
                 self.send(goodbye, lambda reason: None)
+        if self.process.stdin is not None and not self.process.stdin.closed:
+            with contextlib.suppress(OSError):
+                self.process.stdin.close()  # a spare never told its task: it exits
         stop_processes([self.process])
         self.context.destroy(linger=0)
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class SparePool:
+    """At most one spare child, started when asked (`refill`), taken by the next start."""
+
+    def __init__(self) -> None:
+        self._spare: CoreLink | None = None
+        self._lock = threading.Lock()
+
+    def refill(self) -> None:
+        """Start a spare unless one is there and alive."""
+        with self._lock:
+            if self._spare is None or self._spare.process.poll() is not None:
+                if self._spare is not None:
+                    self._spare.close()
+                self._spare = CoreLink.spare()
+
+    def start(self, module: str, args: list[str]) -> CoreLink:
+        """`module` with `args` in the spare if there is one alive, else in a new child."""
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None and spare.process.poll() is None:
+            spare.become(module, args)
+            return spare
+        if spare is not None:
+            spare.close()
+        return CoreLink(module, args)
+
+    def close(self) -> None:
+        """Stop the spare."""
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.close()
 
 
 def stop_processes(processes: list[subprocess.Popen]) -> None:

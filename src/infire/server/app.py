@@ -86,7 +86,7 @@ def create_app(
         startup = asyncio.ensure_future(models.start())
         yield
         startup.cancel()
-        await models.manager.close()
+        await models.close()
 
     app = build_app(models, config, lifespan)
     app.state.infire = models

@@ -23,6 +23,7 @@ from infire.catalog.manager import ModelManager, ModelSlot
 from infire.config import EngineConfig
 from infire.engine import InprocEngineClient, MPEngineClient
 from infire.engine.encoder import EncoderEngine, MPEncoderClient, encoder_task
+from infire.engine.link import SparePool
 from infire.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 from infire.server.errors import APIError
 from infire.server.metrics import ServerMetrics
@@ -68,10 +69,21 @@ class ServedModels:
         self.metrics.registry.register(self.manager)
         self.startup_error: str | None = None
         self.started = False
+        # A spare engine process, so that on-demand loads skip the imports; a catalog
+        # whose models all load at startup has no use for one.
+        on_demand = any(not (e.pin or e.preload) for e in catalog.entries)
+        self.spares = SparePool() if on_demand and not in_process else None
 
     # -- building an entry's engine (in a loader thread) -----------------------------------
 
     def _load(self, entry: CatalogEntry) -> Any:
+        try:
+            return self._build(entry)
+        finally:
+            if self.spares is not None and not self.manager.closed:
+                self.spares.refill()  # after the load, not competing with it for the cores
+
+    def _build(self, entry: CatalogEntry) -> Any:
         config = engine_config_for(entry, self.engine_config)
         if entry.task == GENERATIVE:
             if encoder_task(config.model) is not None:
@@ -80,7 +92,7 @@ class ServedModels:
             if self.in_process:
                 client: Any = InprocEngineClient.from_config(config)
             else:
-                client = MPEngineClient.start(config)
+                client = MPEngineClient.start(config, spares=self.spares)
             if entry.pin and self.on_engine_dead is not None:
                 client.on_dead(self.on_engine_dead)  # a pinned model's death stops the server
             info = client.model_info
@@ -104,7 +116,8 @@ class ServedModels:
                 torch.set_num_threads(threads)
             encoder: Any = EncoderEngine(config.model, resolve_dtype(config.dtype, "cpu"))
         else:
-            encoder = MPEncoderClient.start(config.model, config.dtype, threads)
+            encoder = MPEncoderClient.start(config.model, config.dtype, threads,
+                                            spares=self.spares)  # fmt: skip
         encoder.name = entry.name
         logger.info("ready: %s (%s, %d dimensions, %d tokens a text, %s)", entry.name,
                     encoder.task, encoder.dim, encoder.max_input_tokens,
@@ -119,6 +132,8 @@ class ServedModels:
 
     async def start(self) -> None:
         """Read every entry's size, then load the pinned models and the preloaded ones."""
+        if self.spares is not None:
+            self.spares.refill()
         await self.manager.inspect_all()
         for slot in sorted(self.manager.slots.values(), key=lambda s: not s.entry.pin):
             if slot.entry.pin or slot.entry.preload:
@@ -129,6 +144,12 @@ class ServedModels:
                     logger.error("model failed to load: %s", self.startup_error)
                     return
         self.started = True
+
+    async def close(self) -> None:
+        """Stop every engine process, the spare included."""
+        await self.manager.close()
+        if self.spares is not None:
+            self.spares.close()
 
     def health(self) -> None:
         """Raise the 503 of a server whose pinned or preloaded models are not all ready."""
