@@ -34,6 +34,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, [-100, 100]
+    # a grammar the output must follow (engine/structured.py): one of {"json": schema},
+    # {"json_object": True}, {"regex": ...}, {"choice": [...]}, {"grammar": lark_or_gbnf}
+    structured_output: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +83,10 @@ class SamplingParams:
                 "logit_bias",
                 f"needs token ids >= 0 and biases in [-100, 100], got {token!r}: {bias!r}",
             )
+        if self.structured_output is not None:
+            from infire.engine.structured import spec_kind
+
+            spec_kind(self.structured_output)  # its shape; the grammar compiles at the edge
         _require(
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
             "logprobs",

@@ -105,10 +105,12 @@ class Tokenizer:
             raise InvalidRequestError(f"chat template failed: {e}") from None
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> list[int]:
-        """Token ids of the rendered chat; the template itself places any BOS token."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
+        """Token ids of the rendered chat (`kwargs`: more template variables, such as
+        `tools`); the template itself places any BOS token."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        return self.encode(text, False)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

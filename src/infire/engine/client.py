@@ -41,8 +41,10 @@ from infire.engine.messages import (
     decode,
     encode,
 )
+from infire.engine.structured import GrammarCache
 from infire.engine.validation import check_params, check_prompt
 from infire.errors import EngineDeadError, InvalidRequestError, KVTransferError, ModelLoadError
+from infire.sampling_params import SamplingParams
 from infire.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -66,6 +68,8 @@ class EngineClient:
         self._dead: str | None = None
         self._on_dead: list[Callable[[str], None]] = []
         self.kv_secret: str | None = None  # disaggregation: checks handles (disagg/transfer)
+        # structured outputs: grammars are compiled here first, so that a bad one is a 400
+        self.grammars = GrammarCache(tokenizer, info.vocab_size)
 
     # -- the interface -------------------------------------------------------------------
 
@@ -97,6 +101,12 @@ class EngineClient:
             info.kv_layout, secret=self.kv_secret, vocab_size=info.vocab_size,
             logprobs=request.params.logprobs is not None,
         )  # fmt: skip
+
+    async def check_structured(self, params: SamplingParams) -> None:
+        """Compile the request's grammar, if it has one, in a worker thread (the event
+        loop keeps serving); InvalidRequestError when it does not compile."""
+        if params.structured_output is not None:
+            await asyncio.to_thread(self.grammars.check, params.structured_output)
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestDelta]:
         """The request's deltas, until its finished one.
@@ -194,6 +204,7 @@ class InprocEngineClient(EngineClient):
     def __init__(self, engine: LLMEngine) -> None:
         super().__init__(engine.model_info, engine.tokenizer)
         self.engine = engine
+        self.grammars = engine.grammars  # one cache for the edge and the engine
         self._commands: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="infire-engine", daemon=True)
         self._thread.start()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ from infire.engine.request import Sequence
 from infire.engine.runner import ModelRunner, StepResult
 from infire.engine.scheduler import Scheduler, SchedulerOutput
 from infire.engine.stop import append_token
+from infire.engine.structured import GrammarCache
 from infire.engine.validation import check_params, check_prompt
 from infire.errors import InvalidRequestError, UnsupportedModelError
 from infire.kernels import cpu_forward
@@ -117,7 +119,13 @@ class LLMEngine:
             kv_bytes_per_token=self.runner.kv_bytes_per_token,
             kv_role=config.disagg.role,
             kv_layout=self.transfer.signature if self.transfer else "",
+            structured_outputs=not sharded and config.disagg.role == "both",
         )
+        # Structured outputs: grammars compile in a thread of their own, off the step loop;
+        # a request waits in `_compiling` until its grammar is ready.
+        self.grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size)
+        self._compiling: dict[str, Future] = {}
+        self._compiler: ThreadPoolExecutor | None = None
 
     def _make_transfer(self) -> KVTransfer | None:
         """The KV connector and leases of a prefill or decode engine (None for `both`)."""
@@ -169,6 +177,8 @@ class LLMEngine:
         if prompt_token_ids is None:
             check_params(params, self.model_info)
             prompt_token_ids = self.tokenize_prompt(prompt)
+            if params.structured_output is not None:
+                self.grammars.check(params.structured_output)  # a bad grammar raises now
         self.add(GenerateRequest(request_id, prompt_token_ids, params))
 
     def add(self, request: GenerateRequest) -> None:
@@ -183,6 +193,13 @@ class LLMEngine:
         role = self.config.disagg.role
         if role == "decode":
             self._start_decode(seqs[0], request.kv_transfer or {})
+            return
+        if params.structured_output is not None:
+            if self._compiler is None:
+                self._compiler = ThreadPoolExecutor(1, thread_name_prefix="infire-grammar")
+            self._compiling[request_id] = self._compiler.submit(
+                self.grammars.check, params.structured_output
+            )
             return
         for seq in seqs:
             if role == "prefill":
@@ -257,6 +274,8 @@ class LLMEngine:
         except RuntimeError:
             pass  # a rank is gone: nothing to drain
         self.executor.shutdown()
+        if self._compiler is not None:
+            self._compiler.shutdown(wait=False, cancel_futures=True)
         if self.transfer is not None:
             self.transfer.close()
 
@@ -304,8 +323,36 @@ class LLMEngine:
 
         With pipeline parallelism up to `pipeline_depth` micro-batches (of disjoint
         sequences) are in flight: it fills the pipeline, then completes the oldest."""
+        if self._compiling:
+            self._admit_compiled()
         early = self._deltas(self._advance_pulls()) if self.transfer or self._changed else []
         return early + self._step()
+
+    def _admit_compiled(self) -> None:
+        """Schedule the requests whose grammar is compiled (each sequence gets its own
+        matcher); fail those whose grammar would not compile. With nothing else to run,
+        wait a little for a compile rather than spin."""
+        runnable = self.scheduler.waiting or self.scheduler.running or self._in_flight
+        if not runnable:
+            wait(list(self._compiling.values()), timeout=0.005, return_when=FIRST_COMPLETED)
+        for request_id, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            seqs = self.requests.get(request_id)
+            if seqs is None or all(seq.finished for seq in seqs):
+                continue  # aborted while it compiled
+            error = future.exception()
+            for seq in seqs:
+                if error is not None:
+                    seq.error = str(error)
+                    seq.finish("abort")
+                    self._finish(seq)
+                else:
+                    seq.matcher = self.grammars.matcher(seq.params.structured_output)
+                    self.scheduler.add(seq)
+            if error is not None:
+                self._changed[request_id] = None
 
     def _step(self) -> list[RequestDelta]:
         while len(self._in_flight) < self.executor.pipeline_depth:

@@ -87,6 +87,8 @@ class LLM:
         tokenized = [self.engine.tokenize_prompt(p) for p in prompts]
         for p in params:
             check_params(p, self.engine.model_info)
+            if p.structured_output is not None:
+                self.engine.grammars.check(p.structured_output)  # a bad grammar raises now
         outputs = {}
         for request_id, prompt, token_ids, p in zip(ids, prompts, tokenized, params, strict=True):
             self.engine.add_request(request_id, prompt, p, prompt_token_ids=token_ids)

@@ -131,6 +131,7 @@ class ModelInfo:
     kv_bytes_per_token: int = 0  # a token of context in the whole model's KV cache
     kv_role: str = "both"  # disaggregation role: both, prefill or decode
     kv_layout: str = ""  # the KV pool layout peers must share (disagg/transfer.py)
+    structured_outputs: bool = True  # grammars (engine/structured.py): not under TP/PP, roles
     tasks: tuple[str, ...] = ("generate",)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -56,6 +57,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    matcher: Any = None  # its grammar's state, when the request has a structured output
     # disaggregation: on a prefill engine the handle it answers with, on a decode engine
     # the handle it pulls from (disagg/transfer.py); `error` fails the request
     kv_handle: dict | None = None

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from infire.engine.request import Sequence
+from infire.engine.structured import allowed_tokens
 from infire.layers.sampler import SamplingMetadata
 
 _ZERO_ROW = 0  # read by sequences without a lease: no penalty, no bias
@@ -137,6 +138,11 @@ class SamplingState:
         meta.max_num_logprobs = max(wanted) if wanted else None
         if any(p.logit_bias for p in params):
             meta.logit_bias = self._bias_rows(seqs)
+        constrained = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
+        if constrained:
+            matchers = [seqs[i].matcher for i in constrained]
+            meta.allowed = allowed_tokens(matchers, self.vocab_size).to(self.device)
+            meta.allowed_rows = self._longs(constrained)
         return meta
 
     def release(self, seq_id: int) -> None:

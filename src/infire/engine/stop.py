@@ -8,6 +8,7 @@ start of a stop string, so a stop string is never emitted, not even in part.
 from __future__ import annotations
 
 from infire.engine.request import Sequence
+from infire.engine.structured import advance
 from infire.layers.sampler import SamplerOutput
 from infire.outputs import Logprob
 from infire.tokenizer import Tokenizer
@@ -24,12 +25,15 @@ def append_token(
     delta = seq.detokenizer.step(seq.output_token_ids)
     seq.text += delta
     params = seq.params
+    complete = seq.matcher is not None and advance(seq.matcher, token)
     if not params.ignore_eos and token in tokenizer.eos_token_ids:
         seq.finish("stop")
     elif token in params.stop_token_ids:
         seq.finish("stop", token)
     elif params.stop and _check_stop_strings(seq, len(delta)):
         pass
+    elif complete:  # the grammar is done: nothing else may follow
+        seq.finish("stop")
     elif _out_of_room(seq, max_model_len):
         seq.finish("length")
     _update_emitted(seq)

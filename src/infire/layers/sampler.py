@@ -30,6 +30,9 @@ class SamplingMetadata:
     output_counts: torch.Tensor | None = None  # [N, V] float: counts in output (freq/presence)
     max_num_logprobs: int | None = None  # largest top-k asked for; None = no row wants logprobs
     logit_bias: torch.Tensor | None = None  # [N, V] added to the logits; None when no row has one
+    # structured outputs: the rows a grammar constrains, and the tokens each allows next
+    allowed_rows: torch.Tensor | None = None  # [K] long
+    allowed: torch.Tensor | None = None  # [K, V] bool
 
 
 @dataclass(slots=True)
@@ -53,6 +56,10 @@ class Sampler:
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
         )
+        if meta.allowed is not None:  # a grammar's mask, before everything else
+            rows = meta.allowed_rows
+            logits = logits.clone()
+            logits[rows] = logits[rows].masked_fill(~meta.allowed, float("-inf"))
         logits = adjust_logits(logits, meta)
         greedy = logits.argmax(dim=-1)
         tokens = greedy if meta.all_greedy else self._sample(logits, meta, greedy)

@@ -19,9 +19,10 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from infire.engine import ChoiceDelta, RequestDelta
-from infire.errors import InfireError
+from infire.errors import InfireError, InvalidRequestError
 from infire.outputs import CompletionOutput, Logprob
 from infire.sampling_params import SamplingParams
+from infire.server import tools
 from infire.server.errors import error_body, json_object
 from infire.server.protocol import ChatCompletionRequest, CompletionRequest
 from infire.server.serving import (
@@ -72,18 +73,29 @@ def build_router(generative: Models, listing: Callable[[], list[dict]]) -> APIRo
         body, serving = await parse_for_model(request, ChatCompletionRequest, generative)
         body.check_supported()
         params = body.to_sampling_params()
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = serving.encode_chat(messages)
+        plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+        param = body.structured_param
+        if plan is not None and plan.grammar() is not None:
+            if params.structured_output is not None:
+                raise InvalidRequestError("a required or named tool call and a response "
+                                          "format cannot both shape the answer", param="tool_choice")  # fmt: skip
+            params.structured_output, param = plan.grammar(), "tools"
+        await serving.check_structured(params, param)
+        template = serving.client.tokenizer.chat_template
+        messages = tools.chat_messages(body.messages, plan, template)
+        prompt = serving.encode_chat(messages, **tools.template_kwargs(plan, template))
         explicit = body.max_completion_tokens is not None or body.max_tokens is not None
         k = params.logprobs
+        if plan is not None and body.stream:
+            return await _stream_tool_calls(request, serving, prompt, params, explicit,
+                                            body.include_usage, plan)  # fmt: skip
         return await _answer(
             request, serving, prompt, params, explicit, "chatcmpl", "chat.completion", body.stream,
             body.include_usage, body.kv_transfer_params, lambda d: _chat_chunk_choice(d, k),
             lambda o: {
                 "index": o.index,
-                "message": {"role": "assistant", "content": o.text},
+                **_chat_message(o, plan),
                 "logprobs": {"content": _chat_logprobs(o.logprobs, k)} if k is not None else None,
-                "finish_reason": finish_reason(o),
             },
         )  # fmt: skip
 
@@ -91,6 +103,7 @@ def build_router(generative: Models, listing: Callable[[], list[dict]]) -> APIRo
     async def completions(request: Request) -> Any:
         body, serving = await parse_for_model(request, CompletionRequest, generative)
         params = body.to_sampling_params()
+        await serving.check_structured(params, body.structured_param)
         explicit = "max_tokens" in body.model_fields_set
         k = params.logprobs
         return await _answer(
@@ -166,6 +179,80 @@ def _stream(
         if include_usage and last is not None:
             counts = usage(last.num_prompt_tokens, completion_tokens, last.num_cached_tokens)
             yield sse({**base, "choices": [], "usage": counts})
+        yield sse("[DONE]")
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _chat_message(output: CompletionOutput, plan: tools.ToolPlan | None) -> dict[str, Any]:
+    """A chat choice's message and finish_reason: its tool calls when it made any."""
+    content, calls = output.text, []
+    if plan is not None and output.finish_reason != "length":
+        content, calls = plan.calls(output.text)
+    if not calls:
+        return {"message": {"role": "assistant", "content": output.text},
+                "finish_reason": finish_reason(output)}  # fmt: skip
+    return {"message": {"role": "assistant", "content": content, "tool_calls": calls},
+            "finish_reason": "tool_calls"}  # fmt: skip
+
+
+async def _stream_tool_calls(
+    request: Request, serving: Serving, prompt: list[int], params: SamplingParams,
+    explicit_max: bool, include_usage: bool, plan: tools.ToolPlan,
+) -> StreamingResponse:  # fmt: skip
+    """A chat stream with tools (n = 1). A named call streams its arguments as they are
+    generated; otherwise the answer is held until it ends, then sent as tool-call deltas
+    (OpenAI's layout: index, id, type and name first, then argument fragments) or as its
+    content."""
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    ids, deltas = serving.generate(prompt, params, request_id, explicit_max, stream=True)
+    base = {"id": request_id, "created": int(time.time()), "model": serving.model_name,
+            "object": "chat.completion.chunk"}  # fmt: skip
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(delta: dict, reason: str | None = None) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return sse({**base, "choices": [choice], **extra})
+
+    async def events() -> AsyncIterator[str]:
+        yield chunk({"role": "assistant", "content": None})
+        text, tokens, reason, call_id = "", 0, None, f"call_{uuid.uuid4().hex[:24]}"
+        try:
+            if plan.mode == "named":
+                head = {"index": 0, "id": call_id, "type": "function",
+                        "function": {"name": plan.name, "arguments": ""}}  # fmt: skip
+                yield chunk({"tool_calls": [head]})
+            async for delta in deltas:
+                for choice in delta.choices:
+                    tokens += len(choice.token_ids)
+                    text += choice.text
+                    reason = choice.finish_reason or reason
+                    if plan.mode == "named" and choice.text:
+                        fragment = {"index": 0, "function": {"arguments": choice.text}}
+                        yield chunk({"tool_calls": [fragment]})
+        except InfireError as e:
+            yield sse(error_body(e))
+            return
+        content, calls = text, []
+        if reason != "length":
+            content, calls = plan.calls(text)
+        if plan.mode == "named":
+            yield chunk({}, "tool_calls" if reason != "length" else "length")
+        elif calls:
+            for i, call in enumerate(calls):
+                head = {"index": i, "id": call["id"], "type": "function",
+                        "function": {"name": call["function"]["name"], "arguments": ""}}  # fmt: skip
+                yield chunk({"tool_calls": [head]})
+                arguments = call["function"]["arguments"]
+                middle = len(arguments) // 2
+                for part in (arguments[:middle], arguments[middle:]):
+                    yield chunk({"tool_calls": [{"index": i, "function": {"arguments": part}}]})
+            yield chunk({}, "tool_calls")
+        else:
+            yield chunk({"content": content})
+            yield chunk({}, "length" if reason == "length" else "stop")
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": usage(len(ids), tokens, 0)})
         yield sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)

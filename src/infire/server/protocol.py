@@ -2,9 +2,11 @@
 
 Pydantic validates types and ranges the APIs document; anything the engine checks itself
 (sampling ranges, context length) is left to SamplingParams and the engine so that each
-rule lives in one place. Fields a client may send that infire does not implement yet
-(`tools`, `response_format` other than text) are rejected with a clear message rather
-than silently ignored.
+rule lives in one place. Structured outputs come as OpenAI's `response_format` (text,
+json_object, json_schema) or vLLM's extras (`guided_json`, `guided_regex`,
+`guided_choice`, `guided_grammar`, `structured_outputs`); at most one of them. Fields a
+client may send that infire does not implement yet (`tools`) are rejected with a clear
+message rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -67,6 +69,13 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None
+    # structured outputs (engine/structured.py): OpenAI's, then vLLM's extras
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
     # disaggregation (vLLM's name): what `infire balance` sends each worker's leg
     kv_transfer_params: dict | None = None
 
@@ -88,7 +97,32 @@ class _Sampling(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             logit_bias=self._logit_bias(),
+            structured_output=self.structured_output(),
         )
+
+    def structured_output(self) -> dict | None:
+        """The one grammar the request asks for, as SamplingParams.structured_output."""
+        given = {name: value for name, value in (
+            ("response_format", _response_format(self.response_format)),
+            ("guided_json", None if self.guided_json is None else {"json": self.guided_json}),
+            ("guided_regex", None if self.guided_regex is None else {"regex": self.guided_regex}),
+            ("guided_choice", None if self.guided_choice is None else {"choice": self.guided_choice}),
+            ("guided_grammar", None if self.guided_grammar is None else {"grammar": self.guided_grammar}),
+            ("structured_outputs", _vllm_structured(self.structured_outputs)),
+        ) if value is not None}  # fmt: skip
+        if len(given) > 1:
+            raise InvalidRequestError(f"send one of {', '.join(given)}, not several",
+                                      param=next(iter(given)))  # fmt: skip
+        return next(iter(given.values()), None)
+
+    @property
+    def structured_param(self) -> str:
+        """The field the request's grammar came from (for errors)."""
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs"):  # fmt: skip
+            if getattr(self, name) is not None:
+                return name
+        return "response_format"
 
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI's {"token id": bias} with string keys, as ints."""
@@ -111,24 +145,51 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         """Refuse what infire does not do yet, naming it."""
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise InvalidRequestError(
-                f"response_format {kind!r} is not supported yet", param="response_format"
-            )
-        if self.tools:
-            raise InvalidRequestError("tools are not supported yet", param="tools")
+        if self.tools and self.tool_choice != "none" and self.n > 1:
+            raise InvalidRequestError("tools with n > 1 are not supported yet", param="n")
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
         top = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(max_tokens, top)
+
+
+def _response_format(value: dict[str, Any] | None) -> dict | None:
+    """OpenAI's response_format as a structured_output spec (None for text)."""
+    if value is None:
+        return None
+    kind = value.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        schema = (value.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise InvalidRequestError("response_format json_schema needs json_schema.schema, "
+                                      "a JSON Schema object", param="response_format")  # fmt: skip
+        return {"json": schema}
+    raise InvalidRequestError(
+        f"response_format type must be text, json_object or json_schema, not {kind!r}",
+        param="response_format",
+    )
+
+
+def _vllm_structured(value: dict[str, Any] | None) -> dict | None:
+    """vLLM's `structured_outputs` ({json | regex | choice | grammar | json_object})."""
+    if value is None:
+        return None
+    given = {k: v for k, v in value.items() if v is not None and v is not False}
+    if len(given) != 1:
+        raise InvalidRequestError("structured_outputs takes exactly one of json, regex, choice, "
+                                  "grammar, json_object", param="structured_outputs")  # fmt: skip
+    return given
 
 
 class CompletionRequest(_Sampling):
@@ -173,9 +234,21 @@ class WorkersAIRequest(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     kv_transfer_params: dict | None = None  # disaggregation: see _Sampling
+    response_format: dict[str, Any] | None = None  # json_object or json_schema, as OpenAI's
+    # tools: Workers AI's flat {name, description, parameters} or OpenAI's wrapped form;
+    # tool_choice (an infire extension there) as OpenAI's
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+
+    def openai_tools(self) -> list[dict[str, Any]] | None:
+        """The tools in OpenAI's form."""
+        if not self.tools:
+            return None
+        return [t if "function" in t else {"type": "function", "function": t} for t in self.tools]
 
     def to_sampling_params(self) -> SamplingParams:
         return SamplingParams(
+            structured_output=_response_format(self.response_format),
             temperature=self.temperature,
             top_p=min(self.top_p, 1.0) if self.top_p is not None else 1.0,
             top_k=self.top_k or 0,

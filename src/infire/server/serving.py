@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 
@@ -63,9 +64,18 @@ class Serving:
         """Stop its engine (requests still running end with engine_dead)."""
         self.client.shutdown()
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Prompt token ids of a conversation, through the model's chat template."""
-        return self.client.tokenizer.encode_chat(messages)
+    async def check_structured(self, params: SamplingParams, param: str) -> None:
+        """Compile the request's grammar off the event loop; a 400 naming `param` (the
+        field it came from) when it does not compile."""
+        try:
+            await self.client.check_structured(params)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(str(e), param=param) from None
+
+    def encode_chat(self, messages: list[dict], **kwargs: Any) -> list[int]:
+        """Prompt token ids of a conversation, through the model's chat template
+        (`kwargs`: more template variables, such as `tools`)."""
+        return self.client.tokenizer.encode_chat(messages, **kwargs)
 
     def generate(
         self,

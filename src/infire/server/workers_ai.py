@@ -11,6 +11,7 @@ Workers AI. The catalog's default parameters of the model apply under the reques
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -21,7 +22,7 @@ from fastapi.responses import StreamingResponse
 from infire.engine import RequestDelta
 from infire.errors import InfireError, InvalidRequestError
 from infire.outputs import RequestOutput
-from infire.server import encoders
+from infire.server import encoders, tools
 from infire.server.errors import error_body, json_object
 from infire.server.openai import SSE_HEADERS, sse
 from infire.server.protocol import WorkersAIRequest
@@ -48,12 +49,22 @@ def build_router(models: Callable[[str], Awaitable[Any]]) -> APIRouter:
         body = WorkersAIRequest.model_validate({**serving.defaults, **raw})
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("send exactly one of prompt or messages", param="prompt")
-        if body.messages is not None:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        else:
-            messages = [{"role": "user", "content": body.prompt}]
-        prompt = body.prompt if body.raw and body.prompt else serving.encode_chat(messages)
+        plan = tools.plan(body.openai_tools(), body.tool_choice, None)
         params = body.to_sampling_params()
+        param = "response_format"
+        if plan is not None and plan.grammar() is not None:
+            params.structured_output, param = plan.grammar(), "tools"
+        await serving.check_structured(params, param)
+        if body.messages is not None:
+            template = serving.client.tokenizer.chat_template
+            messages = tools.chat_messages(body.messages, plan, template)
+            kwargs = tools.template_kwargs(plan, template)
+        else:
+            messages, kwargs = [{"role": "user", "content": body.prompt}], {}
+            if plan is not None:
+                messages = tools.chat_messages([], plan, None) + messages
+        raw = body.raw and body.prompt and plan is None
+        prompt = body.prompt if raw else serving.encode_chat(messages, **kwargs)
         ids, deltas = serving.generate(prompt, params, f"ai-{uuid.uuid4().hex}",
                                        kv_transfer=body.kv_transfer_params, stream=body.stream)  # fmt: skip
         if body.stream:
@@ -61,8 +72,15 @@ def build_router(models: Callable[[str], Awaitable[Any]]) -> APIRouter:
                 _events(deltas), media_type="text/event-stream", headers=SSE_HEADERS
             )
         final: RequestOutput = await until_finished(request, deltas, ids)
-        result = {"response": final.outputs[0].text,
-                  "usage": _usage(len(ids), len(final.outputs[0].token_ids))}  # fmt: skip
+        output = final.outputs[0]
+        result = {"response": output.text, "usage": _usage(len(ids), len(output.token_ids))}
+        if plan is not None and output.finish_reason != "length":
+            content, calls = plan.calls(output.text)
+            if calls:
+                result["response"] = content
+                result["tool_calls"] = [{"name": c["function"]["name"],
+                                         "arguments": json.loads(c["function"]["arguments"])}
+                                        for c in calls]  # fmt: skip
         if final.kv_transfer_params is not None:  # a prefill worker's leg
             result["kv_transfer_params"] = final.kv_transfer_params
         return {"result": result, "success": True, "errors": [], "messages": []}
