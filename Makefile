@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
 .PHONY: install serve chat test lint format bench bench-serve bench-unweight bench-gateway \
-	bench-parallel bench-moe bench-disagg bench-catalog
+	bench-parallel bench-moe bench-disagg bench-catalog bench-structured
 
 install: $(STAMP)
 
@@ -66,6 +66,9 @@ bench-disagg: install
 bench-catalog: install
 	$(BIN)/python benchmarks/bench_embed.py
 	$(BIN)/python benchmarks/bench_catalog.py
+
+bench-structured: install
+	$(BIN)/python benchmarks/bench_structured.py
 
 # LiteLLM's proxy lives in its own venv (git-ignored), apart from infire's dependencies.
 bench-gateway: install

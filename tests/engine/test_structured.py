@@ -116,3 +116,23 @@ def test_a_grammar_unfinished_at_max_tokens_ends_with_length(smollm2_llm: LLM) -
 def test_bad_grammars_are_refused_by_name(smollm2_llm: LLM, spec: dict, problem: str) -> None:
     with pytest.raises(InvalidRequestError, match=problem):
         smollm2_llm.generate(["x"], SamplingParams(structured_output=spec))
+
+
+def test_preemption_and_chunked_prefill_keep_the_grammar(smollm2_llm: LLM) -> None:
+    """A pool too small for four constrained answers at once, and a step budget that cuts
+    their prompts in chunks: sequences are preempted and recomputed, and each answer is
+    the one it gets alone (the matcher's state survives preemption with the tokens)."""
+    asks = [[{"role": "user", "content": f"Describe person number {i} as JSON."}] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=160, structured_output={"json": SCHEMA})
+    alone = [smollm2_llm.chat([ask], params)[0].outputs[0].text for ask in asks]
+    small = LLM(
+        dtype="float32", num_blocks=14, max_num_batched_tokens=24, enable_prefix_caching=False
+    )
+    try:
+        together = [o.outputs[0].text for o in small.chat(asks, params)]
+        assert small.engine.stats.num_preemptions > 0
+    finally:
+        small.shutdown()
+    assert together == alone
+    for text in together:
+        Person.model_validate_json(text)

@@ -272,6 +272,11 @@ def test_workers_ai_tools_and_bad_tools(smollm2_server: Server):
                           json=body, timeout=60)  # fmt: skip
     calls = response.json()["result"]["tool_calls"]
     assert calls and all(ARGUMENTS[c["name"]].model_validate(c["arguments"]) for c in calls)
+    schema = {"type": "json_schema", "json_schema": {"schema": Weather.model_json_schema()}}
+    body = {"messages": ASK, "response_format": schema, "temperature": 0}
+    response = httpx.post(f"{smollm2_server.url}/ai/run/smollm2-135m-instruct", json=body,
+                          timeout=60)  # fmt: skip
+    Weather.model_validate_json(response.json()["result"]["response"])
     url = f"{smollm2_server.base_url}/chat/completions"
     base = {"model": "smollm2-135m-instruct", "messages": ASK}
     for extra, param in (

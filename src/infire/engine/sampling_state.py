@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from infire.engine.request import Sequence
-from infire.engine.structured import allowed_tokens
+from infire.engine.structured import disallowed_tokens
 from infire.layers.sampler import SamplingMetadata
 
 _ZERO_ROW = 0  # read by sequences without a lease: no penalty, no bias
@@ -141,8 +141,9 @@ class SamplingState:
         constrained = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
         if constrained:
             matchers = [seqs[i].matcher for i in constrained]
-            meta.allowed = allowed_tokens(matchers, self.vocab_size).to(self.device)
-            meta.allowed_rows = self._longs(constrained)
+            meta.disallowed = disallowed_tokens(matchers, self.vocab_size).to(self.device)
+            if len(constrained) < len(seqs):
+                meta.disallowed_rows = self._longs(constrained)
         return meta
 
     def release(self, seq_id: int) -> None:

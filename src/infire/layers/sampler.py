@@ -30,9 +30,10 @@ class SamplingMetadata:
     output_counts: torch.Tensor | None = None  # [N, V] float: counts in output (freq/presence)
     max_num_logprobs: int | None = None  # largest top-k asked for; None = no row wants logprobs
     logit_bias: torch.Tensor | None = None  # [N, V] added to the logits; None when no row has one
-    # structured outputs: the rows a grammar constrains, and the tokens each allows next
-    allowed_rows: torch.Tensor | None = None  # [K] long
-    allowed: torch.Tensor | None = None  # [K, V] bool
+    # structured outputs: the tokens each constrained row's grammar forbids next, and which
+    # rows those are (None: every row)
+    disallowed: torch.Tensor | None = None  # [K, V] bool
+    disallowed_rows: torch.Tensor | None = None  # [K] long
 
 
 @dataclass(slots=True)
@@ -56,10 +57,14 @@ class Sampler:
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
         )
-        if meta.allowed is not None:  # a grammar's mask, before everything else
-            rows = meta.allowed_rows
-            logits = logits.clone()
-            logits[rows] = logits[rows].masked_fill(~meta.allowed, float("-inf"))
+        if meta.disallowed is not None:  # a grammar's mask, before everything else
+            # In place: the step's logits are not read after sampling, and raw logprobs
+            # were taken above (a fresh [N, vocab] tensor costs a pass of page faults).
+            rows = meta.disallowed_rows
+            if rows is None:
+                logits.masked_fill_(meta.disallowed, float("-inf"))
+            else:
+                logits[rows] = logits[rows].masked_fill_(meta.disallowed, float("-inf"))
         logits = adjust_logits(logits, meta)
         greedy = logits.argmax(dim=-1)
         tokens = greedy if meta.all_greedy else self._sample(logits, meta, greedy)
