@@ -216,11 +216,9 @@ def table(results: dict) -> str:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
+    from infire.bench.plot import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     med = statistics.median
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     names = list(results["cold"])
@@ -241,10 +239,7 @@ def plot(results: dict, path: Path) -> None:
     right.set_ylabel("seconds")
     right.set_title("SmolLM2 x2 under a budget that holds one")
     right.legend()
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save(figure, path)
 
 
 if __name__ == "__main__":

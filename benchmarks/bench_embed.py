@@ -133,11 +133,9 @@ def main() -> None:
 
 def plot(medians: dict[str, float], path: Path) -> None:
     """Texts/s of both peers per workload, with the ratio over infire's bars."""
-    import matplotlib
+    from infire.bench.plot import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     keys = [f"{k} batch {b}" for k in ("short", "long") for b in (1, 64)]
     x = np.arange(len(keys))
     figure, axis = plt.subplots(figsize=(9, 5))
@@ -152,10 +150,7 @@ def plot(medians: dict[str, float], path: Path) -> None:
     axis.set_yscale("log")
     axis.set_title("all-MiniLM-L6-v2 embeddings, CPU: infire vs sentence-transformers")
     axis.legend()
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save(figure, path)
 
 
 if __name__ == "__main__":

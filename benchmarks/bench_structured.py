@@ -110,11 +110,9 @@ def main() -> None:
 
 
 def plot(medians: dict[str, float], path: Path) -> None:
-    import matplotlib
+    from infire.bench.plot import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for i, (kind, color) in enumerate((("unconstrained", "#5c7cfa"), ("json schema", "#d9480f"))):
         values = [medians[f"batch {b} {kind}"] for b in (1, 16)]
@@ -127,10 +125,7 @@ def plot(medians: dict[str, float], path: Path) -> None:
     axis.set_ylabel("generated tokens / s")
     axis.set_title("SmolLM2-135M decode, CPU: with a JSON Schema vs without")
     axis.legend()
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save(figure, path)
 
 
 if __name__ == "__main__":

@@ -6,40 +6,12 @@ from __future__ import annotations
 
 import json
 import re
-from enum import Enum
-from typing import Annotated
 
 import pytest
-from pydantic import BaseModel, ConfigDict, Field
 
 from infire import LLM, SamplingParams
 from infire.errors import InvalidRequestError
-
-
-class Color(str, Enum):
-    red = "red"
-    green = "green"
-    blue = "blue"
-
-
-class Address(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # as OpenAI's strict schemas: no other keys
-
-    city: str = Field(max_length=24)
-    zip_code: str = Field(pattern=r"^[0-9]{5}$")
-
-
-class Person(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(max_length=24)
-    age: int = Field(ge=0, le=120)
-    height_m: float = Field(ge=0.5, le=2.5)
-    favorite: Color
-    tags: list[Annotated[str, Field(max_length=12)]] = Field(max_length=3)
-    address: Address
-    nickname: Annotated[str, Field(max_length=12)] | None = None
-
+from structured_models import Person
 
 # Every string is bounded, so every answer ends within max_tokens whatever is sampled.
 SCHEMA = Person.model_json_schema()

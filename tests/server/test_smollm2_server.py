@@ -8,8 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from enum import Enum
-from typing import Annotated, Literal
+from typing import Literal
 
 import httpx
 import openai
@@ -18,6 +17,7 @@ from harness import Server
 from pydantic import BaseModel, Field
 
 from infire import LLM, SamplingParams
+from structured_models import Person
 
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "Count to five."]
 
@@ -96,30 +96,6 @@ def test_workers_ai_alias_of_the_default_model(smollm2_server: Server, smollm2_l
     )  # fmt: skip
     assert response.status_code == 200
     assert response.json()["result"]["response"] == expected.outputs[0].text
-
-
-class Color(str, Enum):
-    red = "red"
-    green = "green"
-    blue = "blue"
-
-
-class Address(BaseModel):
-    city: str = Field(max_length=24)
-    zip_code: str = Field(pattern=r"^[0-9]{5}$")
-
-
-class Person(BaseModel):
-    """Nested objects, an enum, an array, bounded numbers and an optional field; every
-    string bounded so that any sampled answer ends within max_tokens."""
-
-    name: str = Field(max_length=24)
-    age: int = Field(ge=0, le=120)
-    height_m: float = Field(ge=0.5, le=2.5)
-    favorite: Color
-    tags: list[Annotated[str, Field(max_length=12)]] = Field(max_length=3)
-    address: Address
-    nickname: Annotated[str, Field(max_length=12)] | None = None
 
 
 PEOPLE = [f"Describe a fictional {job} from {place} as JSON." for job, place in (

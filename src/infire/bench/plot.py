@@ -18,7 +18,7 @@ _TITLES = {"ttft": "time to first token", "tpot": "time per output token",
            "itl": "inter-token latency", "e2el": "end-to-end latency"}  # fmt: skip
 
 
-def _pyplot():  # noqa: ANN202 (matplotlib's module)
+def pyplot():  # noqa: ANN201 (matplotlib's module)
     try:
         import matplotlib
     except ImportError:
@@ -31,9 +31,18 @@ def _pyplot():  # noqa: ANN202 (matplotlib's module)
     return plt
 
 
+def save(figure: object, path: Path) -> Path:
+    """Lay out, write (110 dpi, the folder made) and close a benchmark's figure."""
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    pyplot().close(figure)
+    return path
+
+
 def plot_run(result: dict, path: Path) -> Path:
     """Histograms of one run's latencies."""
-    plt = _pyplot()
+    plt = pyplot()
     s, settings = result["summary"], result["settings"]
     series = latency_series([RequestResult(**r) for r in result["requests"]])
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
@@ -71,7 +80,7 @@ def plot_compare(results: list[dict], path: Path) -> Path:
     """Several runs against their load, one line per label."""
     if not results:
         raise InvalidRequestError("--compare needs at least one result file")
-    plt = _pyplot()
+    plt = pyplot()
     axis = {_load_level(r)[0] for r in results}
     if len(axis) > 1:
         raise InvalidRequestError(

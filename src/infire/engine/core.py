@@ -27,7 +27,7 @@ from infire.config import (
     SchedulerConfig,
 )
 from infire.engine.engine import LLMEngine
-from infire.engine.link import child_sockets
+from infire.engine.link import child_sockets, exit_now
 from infire.engine.messages import (
     AbortRequest,
     EngineFailed,
@@ -159,8 +159,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Skip the interpreter's teardown (torch's takes a few tenths of a second): the
-    # server waits for this exit before it loads another model in the memory freed.
-    status = main()
-    logging.shutdown()
-    os._exit(status)
+    exit_now(main())

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import queue
 import signal
 import threading
@@ -31,7 +30,7 @@ from typing import Any
 
 import torch
 
-from infire.engine.link import CoreLink, SparePool, child_sockets
+from infire.engine.link import CoreLink, SparePool, child_sockets, exit_now
 from infire.engine.messages import (
     EncodeRequest,
     EncodeResult,
@@ -439,8 +438,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Skip the interpreter's teardown (torch's takes a few tenths of a second): the
-    # server waits for this exit before it loads another model in the memory freed.
-    status = main()
-    logging.shutdown()
-    os._exit(status)
+    exit_now(main())

@@ -11,14 +11,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import logging
-import os
 import signal
 import sys
 
 import infire.engine.core  # noqa: F401 (imported ahead of need: that is the point)
 import infire.engine.encoder  # noqa: F401
 from infire.engine.core import die_with_parent
+from infire.engine.link import exit_now
 
 ENGINE_MODULES = ("infire.engine.core", "infire.engine.encoder")
 
@@ -43,6 +42,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    status = main()
-    logging.shutdown()
-    os._exit(status)  # the engine module's own teardown is done; skip the interpreter's
+    exit_now(main())
