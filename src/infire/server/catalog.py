@@ -202,9 +202,8 @@ class ServedModels:
         out = []
         for slot in self.manager.slots.values():
             entry, model = slot.entry, slot.model
-            length = (slot.properties or {}).get("context_window") or (slot.properties or {}).get(
-                "max_input_tokens"
-            )
+            properties = slot.properties or {}
+            length = properties.get("context_window") or properties.get("max_input_tokens")
             if isinstance(model, Serving):
                 length = model.client.model_info.max_model_len
             out.append({"id": entry.name, "object": "model", "created": 0, "owned_by": "infire",

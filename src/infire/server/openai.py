@@ -75,11 +75,12 @@ def build_router(generative: Models, listing: Callable[[], list[dict]]) -> APIRo
         params = body.to_sampling_params()
         plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
         param = body.structured_param
-        if plan is not None and plan.grammar() is not None:
+        grammar = plan.grammar() if plan is not None else None
+        if grammar is not None:
             if params.structured_output is not None:
                 raise InvalidRequestError("a required or named tool call and a response "
                                           "format cannot both shape the answer", param="tool_choice")  # fmt: skip
-            params.structured_output, param = plan.grammar(), "tools"
+            params.structured_output, param = grammar, "tools"
         await serving.check_structured(params, param)
         template = serving.client.tokenizer.chat_template
         messages = tools.chat_messages(body.messages, plan, template)

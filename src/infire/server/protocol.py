@@ -18,6 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from infire.errors import InvalidRequestError
 from infire.sampling_params import MAX_LOGPROBS, SamplingParams
 
+# vLLM's guided_* fields and the structured_output kind each one gives
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}  # fmt: skip
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -102,14 +106,14 @@ class _Sampling(BaseModel):
 
     def structured_output(self) -> dict | None:
         """The one grammar the request asks for, as SamplingParams.structured_output."""
-        given = {name: value for name, value in (
-            ("response_format", _response_format(self.response_format)),
-            ("guided_json", None if self.guided_json is None else {"json": self.guided_json}),
-            ("guided_regex", None if self.guided_regex is None else {"regex": self.guided_regex}),
-            ("guided_choice", None if self.guided_choice is None else {"choice": self.guided_choice}),
-            ("guided_grammar", None if self.guided_grammar is None else {"grammar": self.guided_grammar}),
-            ("structured_outputs", _vllm_structured(self.structured_outputs)),
-        ) if value is not None}  # fmt: skip
+        given: dict[str, dict] = {}
+        if (spec := _response_format(self.response_format)) is not None:
+            given["response_format"] = spec
+        for name, kind in _GUIDED.items():
+            if getattr(self, name) is not None:
+                given[name] = {kind: getattr(self, name)}
+        if (spec := _vllm_structured(self.structured_outputs)) is not None:
+            given["structured_outputs"] = spec
         if len(given) > 1:
             raise InvalidRequestError(f"send one of {', '.join(given)}, not several",
                                       param=next(iter(given)))  # fmt: skip
@@ -118,11 +122,8 @@ class _Sampling(BaseModel):
     @property
     def structured_param(self) -> str:
         """The field the request's grammar came from (for errors)."""
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "structured_outputs"):  # fmt: skip
-            if getattr(self, name) is not None:
-                return name
-        return "response_format"
+        names = (*_GUIDED, "structured_outputs")
+        return next((n for n in names if getattr(self, n) is not None), "response_format")
 
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI's {"token id": bias} with string keys, as ints."""

@@ -52,8 +52,9 @@ def build_router(models: Callable[[str], Awaitable[Any]]) -> APIRouter:
         plan = tools.plan(body.openai_tools(), body.tool_choice, None)
         params = body.to_sampling_params()
         param = "response_format"
-        if plan is not None and plan.grammar() is not None:
-            params.structured_output, param = plan.grammar(), "tools"
+        grammar = plan.grammar() if plan is not None else None
+        if grammar is not None:
+            params.structured_output, param = grammar, "tools"
         await serving.check_structured(params, param)
         if body.messages is not None:
             template = serving.client.tokenizer.chat_template
