@@ -132,6 +132,19 @@ def test_invalid_request_raises_before_queueing(client: EngineClient):
     assert client.stats().num_prompt_tokens == before + 2
 
 
+def test_a_grammar_the_core_cannot_compile_fails_as_the_requests_fault(client: EngineClient):
+    """The server compiles a grammar before it queues the request; a client used without
+    that check still gets an InvalidRequestError (a 400), not an engine failure."""
+    bad = SamplingParams(max_tokens=3, structured_output={"regex": "("})
+
+    async def main():
+        with pytest.raises(InvalidRequestError, match="regex"):
+            await _collect(client, [1, 2], bad, "bad-grammar")
+        return await _idle(client)
+
+    assert asyncio.run(main())
+
+
 def test_a_failed_start_names_the_cause(tmp_path: Path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         MPEngineClient.start(EngineConfig(model=str(tmp_path / "missing")), timeout=120)

@@ -8,6 +8,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from infire import LLM, SamplingParams
 from infire.errors import InvalidRequestError
@@ -65,6 +66,23 @@ def test_unconstrained_requests_are_unchanged_beside_constrained_ones(smollm2_ll
     for a, m in zip(alone, mixed[1:4], strict=True):
         assert a.outputs[0].token_ids == m.outputs[0].token_ids
     assert mixed[0].outputs[0].finish_reason in ("stop", "length")
+
+
+def test_the_pool_and_one_thread_fill_the_same_masks(smollm2_llm: LLM) -> None:
+    """The GPU path fills a batch's masks on llguidance's pool, the CPU path one row at a
+    time: the rows must not depend on which."""
+    from infire.engine.structured import advance, disallowed_tokens
+
+    grammars = smollm2_llm.engine.grammars
+    specs = [{"json": SCHEMA}, {"regex": r"[0-9]{3}-[0-9]{4}"}, {"choice": ["yes", "no"]}]
+    matchers = [grammars.matcher(spec) for spec in specs]
+    vocab = smollm2_llm.engine.model_config.vocab_size
+    opening = smollm2_llm.get_tokenizer().encode('{"', add_special_tokens=False)
+    for token in opening:  # one matcher past its start
+        advance(matchers[0], token)
+    one, pool = disallowed_tokens(matchers, vocab), disallowed_tokens(matchers, vocab, True)
+    assert one.shape == (3, vocab) and torch.equal(one, pool)
+    assert int((~one).sum(1).min()) > 0 and int((~one).sum(1).max()) < vocab
 
 
 def test_a_grammar_unfinished_at_max_tokens_ends_with_length(smollm2_llm: LLM) -> None:

@@ -224,7 +224,7 @@ def test_streamed_tool_calls_reassemble_to_the_same_call(smollm2_server: Server,
               "tool_choice": tool_choice, "temperature": 0, "max_tokens": 120}  # fmt: skip
     whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
     calls: dict[int, dict] = {}
-    reasons = []
+    reasons, fragments = [], 0
     for chunk in client.chat.completions.create(**kwargs, stream=True):
         delta = chunk.choices[0].delta
         reasons.append(chunk.choices[0].finish_reason)
@@ -232,13 +232,46 @@ def test_streamed_tool_calls_reassemble_to_the_same_call(smollm2_server: Server,
             call = calls.setdefault(part.index, {"id": None, "name": None, "arguments": ""})
             call["id"] = part.id or call["id"]
             if part.function and part.function.name:
+                assert call["arguments"] == ""  # the name comes before the arguments
                 call["name"] = part.function.name
             if part.function and part.function.arguments:
                 call["arguments"] += part.function.arguments
+                fragments += 1
     assert reasons[-1] == "tool_calls"
+    assert fragments >= 5  # the arguments streamed as they were generated
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
         (w.function.name, json.loads(w.function.arguments)) for w in whole]  # fmt: skip
     assert all(c["id"].startswith("call_") for c in calls.values())
+
+
+def test_with_tools_a_text_answer_streams_as_content(smollm2_server: Server):
+    """tool_choice auto: SmolLM2 answers this in text, which streams as it is generated
+    (only an answer that opens like a call is held), the same text as the whole answer."""
+    client = openai.OpenAI(base_url=smollm2_server.base_url, api_key="unused", max_retries=0)
+    ask = [{"role": "user", "content": "Write one sentence about the sea."}]
+    kwargs = {"model": "smollm2-135m-instruct", "messages": ask, "tools": TOOLS,
+              "temperature": 0, "max_tokens": 30}  # fmt: skip
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.message.tool_calls is None and whole.message.content
+    pieces = [
+        c.choices[0].delta.content for c in client.chat.completions.create(**kwargs, stream=True)
+    ]
+    pieces = [p for p in pieces if p]
+    assert len(pieces) >= 5 and "".join(pieces) == whole.message.content
+
+
+def test_workers_ai_streams_tool_calls(smollm2_server: Server):
+    flat = [t["function"] for t in TOOLS]
+    body = {"messages": ASK, "tools": flat, "tool_choice": "required", "temperature": 0,
+            "stream": True}  # fmt: skip
+    url = f"{smollm2_server.url}/ai/run/smollm2-135m-instruct"
+    with httpx.stream("POST", url, json=body, timeout=60) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    [calls] = [e["tool_calls"] for e in events if "tool_calls" in e]
+    assert calls and all(ARGUMENTS[c["name"]].model_validate(c["arguments"]) for c in calls)
+    assert "usage" in events[-1] and not any(e["response"] for e in events)
 
 
 def test_workers_ai_tools_and_bad_tools(smollm2_server: Server):

@@ -138,7 +138,7 @@ class EngineClient:
                     raise item
                 finished = item.finished
                 if item.error is not None:  # the request failed inside the engine
-                    raise KVTransferError(item.error)
+                    raise (InvalidRequestError if item.invalid else KVTransferError)(item.error)
                 yield item
         finally:
             if not finished and self._dead is None:

@@ -346,6 +346,7 @@ class LLMEngine:
             for seq in seqs:
                 if error is not None:
                     seq.error = str(error)
+                    seq.invalid = isinstance(error, InvalidRequestError)
                     seq.finish("abort")
                     self._finish(seq)
                 else:
@@ -510,7 +511,7 @@ class LLMEngine:
             handle["pulled"] = "reported"
         return RequestDelta(
             request_id, choices, finished, first.num_prompt_tokens, first.num_cached_tokens,
-            first.metrics if finished else None, kv, first.error,
+            first.metrics if finished else None, kv, first.error, first.invalid,
         )  # fmt: skip
 
 

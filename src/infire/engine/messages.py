@@ -79,6 +79,7 @@ class RequestDelta:
     # its pull of that lease ended, so that the front can release it
     kv_transfer: dict | None = None
     error: str | None = None  # the request failed (a KV transfer): no more output
+    invalid: bool = False  # the error is the request's fault (a 400), not the engine's
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,18 +351,18 @@ def _delta_fields(delta: RequestDelta) -> list:
     ]  # fmt: skip
     metrics = dataclasses.astuple(delta.metrics) if delta.metrics else None
     return [delta.request_id, choices, delta.finished, delta.num_prompt_tokens,
-            delta.num_cached_tokens, metrics, delta.kv_transfer, delta.error]  # fmt: skip
+            delta.num_cached_tokens, metrics, delta.kv_transfer, delta.error, delta.invalid]  # fmt: skip
 
 
 def _build_delta(values: list) -> RequestDelta:
-    request_id, choices, finished, num_prompt, num_cached, metrics, kv, error = values
+    request_id, choices, finished, num_prompt, num_cached, metrics, kv, error, invalid = values
     built = [
         ChoiceDelta(index, text, ids, _build_logprobs(lps), cumulative, reason, stop)
         for index, text, ids, lps, cumulative, reason, stop in choices
     ]
     return RequestDelta(
         request_id, built, finished, num_prompt, num_cached,
-        RequestMetrics(*metrics) if metrics else None, kv, error,
+        RequestMetrics(*metrics) if metrics else None, kv, error, invalid,
     )  # fmt: skip
 
 

@@ -62,6 +62,7 @@ class Sequence:
     # the handle it pulls from (disagg/transfer.py); `error` fails the request
     kv_handle: dict | None = None
     error: str | None = None
+    invalid: bool = False  # the error is the request's fault (its grammar), not the engine's
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -141,7 +141,8 @@ class SamplingState:
         constrained = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
         if constrained:
             matchers = [seqs[i].matcher for i in constrained]
-            meta.disallowed = disallowed_tokens(matchers, self.vocab_size).to(self.device)
+            on_gpu = self.device.type != "cpu"
+            meta.disallowed = disallowed_tokens(matchers, self.vocab_size, on_gpu).to(self.device)
             if len(constrained) < len(seqs):
                 meta.disallowed_rows = self._longs(constrained)
         return meta

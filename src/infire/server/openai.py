@@ -201,10 +201,9 @@ async def _stream_tool_calls(
     request: Request, serving: Serving, prompt: list[int], params: SamplingParams,
     explicit_max: bool, include_usage: bool, plan: tools.ToolPlan,
 ) -> StreamingResponse:  # fmt: skip
-    """A chat stream with tools (n = 1). A named call streams its arguments as they are
-    generated; otherwise the answer is held until it ends, then sent as tool-call deltas
-    (OpenAI's layout: index, id, type and name first, then argument fragments) or as its
-    content."""
+    """A chat stream with tools (n = 1), in OpenAI's layout: each call's index, id, type
+    and name first, then its argument fragments as they are generated (tools.CallStream
+    says when an auto answer is content and when it is held)."""
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     ids, deltas = serving.generate(prompt, params, request_id, explicit_max, stream=True)
     base = {"id": request_id, "created": int(time.time()), "model": serving.model_name,
@@ -217,41 +216,24 @@ async def _stream_tool_calls(
 
     async def events() -> AsyncIterator[str]:
         yield chunk({"role": "assistant", "content": None})
-        text, tokens, reason, call_id = "", 0, None, f"call_{uuid.uuid4().hex[:24]}"
+        calls = tools.CallStream(plan)
+        tokens, reason = 0, None
         try:
-            if plan.mode == "named":
-                head = {"index": 0, "id": call_id, "type": "function",
-                        "function": {"name": plan.name, "arguments": ""}}  # fmt: skip
-                yield chunk({"tool_calls": [head]})
-            async for delta in deltas:
-                for choice in delta.choices:
+            for delta in calls.start():
+                yield chunk(delta)
+            async for update in deltas:
+                for choice in update.choices:
                     tokens += len(choice.token_ids)
-                    text += choice.text
                     reason = choice.finish_reason or reason
-                    if plan.mode == "named" and choice.text:
-                        fragment = {"index": 0, "function": {"arguments": choice.text}}
-                        yield chunk({"tool_calls": [fragment]})
+                    for delta in calls.feed(choice.text):
+                        yield chunk(delta)
         except InfireError as e:
             yield sse(error_body(e))
             return
-        content, calls = text, []
-        if reason != "length":
-            content, calls = plan.calls(text)
-        if plan.mode == "named":
-            yield chunk({}, "tool_calls" if reason != "length" else "length")
-        elif calls:
-            for i, call in enumerate(calls):
-                head = {"index": i, "id": call["id"], "type": "function",
-                        "function": {"name": call["function"]["name"], "arguments": ""}}  # fmt: skip
-                yield chunk({"tool_calls": [head]})
-                arguments = call["function"]["arguments"]
-                middle = len(arguments) // 2
-                for part in (arguments[:middle], arguments[middle:]):
-                    yield chunk({"tool_calls": [{"index": i, "function": {"arguments": part}}]})
-            yield chunk({}, "tool_calls")
-        else:
-            yield chunk({"content": content})
-            yield chunk({}, "length" if reason == "length" else "stop")
+        last, reason = calls.finish(reason)
+        for delta in last:
+            yield chunk(delta)
+        yield chunk({}, reason)
         if include_usage:
             yield sse({**base, "choices": [], "usage": usage(len(ids), tokens, 0)})
         yield sse("[DONE]")

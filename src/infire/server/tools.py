@@ -212,3 +212,171 @@ def _with_tool_prompt(messages: list[dict], tools: ToolPlan) -> list[dict]:
         first = {**messages[0], "content": messages[0]["content"] + "\n\n" + prompt}
         return [first, *messages[1:]]
     return [{"role": "system", "content": prompt}, *messages]
+
+
+_OPEN_TAG = "<tool_call>"
+
+
+class CallStream:
+    """A streamed answer with tools, as OpenAI's chunks: `feed` each text delta and send
+    the deltas it returns (`{"content": ...}` or `{"tool_calls": [...]}`), then `finish`.
+
+    - Named: the head (index, id, type, name) first, then each fragment as arguments.
+    - Required: the calls' JSON array is scanned as it grows. Each call's head goes out
+      once its name is complete, then its arguments fragment by fragment.
+    - Auto: text streams as content while it can only be content. An answer that opens
+      like a call (`[`, `{` or `<tool_call>`), and the rest of one in which a
+      `<tool_call>` appears, is held and parsed when it ends (calls, else content).
+    """
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.text = ""  # everything generated
+        self.sent = 0  # auto: the characters sent as content
+        self.held = False  # auto: the rest is held to the end
+        self.scanner = _CallScanner() if plan.mode == "required" else None
+        self.call_id = f"call_{uuid.uuid4().hex[:24]}"
+
+    def start(self) -> list[dict]:
+        if self.plan.mode != "named":
+            return []
+        return [{"tool_calls": [{"index": 0, "id": self.call_id, "type": "function",
+                                 "function": {"name": self.plan.name, "arguments": ""}}]}]  # fmt: skip
+
+    def feed(self, text: str) -> list[dict]:
+        self.text += text
+        if not text:
+            return []
+        if self.plan.mode == "named":
+            return [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}]
+        if self.scanner is not None:
+            return [{"tool_calls": [part]} for part in self.scanner.feed(text)]
+        return self._content()
+
+    def finish(self, reason: str | None) -> tuple[list[dict], str]:
+        """The last deltas and the finish_reason."""
+        if self.plan.mode != "auto":
+            return [], "length" if reason == "length" else "tool_calls"
+        rest = self.text[self.sent :]
+        content, calls = (rest, []) if reason == "length" else self.plan.calls(rest)
+        if calls:
+            deltas = []
+            for i, call in enumerate(calls):
+                name, arguments = call["function"]["name"], call["function"]["arguments"]
+                deltas.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                               "function": {"name": name, "arguments": ""}}]})  # fmt: skip
+                deltas.append({"tool_calls": [{"index": i, "function": {"arguments": arguments}}]})
+            return ([{"content": content}] if content else []) + deltas, "tool_calls"
+        final = "length" if reason == "length" else "stop"
+        return ([{"content": rest}] if rest else []), final
+
+    def _content(self) -> list[dict]:
+        if self.held:
+            return []
+        start = len(self.text) - len(self.text.lstrip())
+        head = self.text[start:]
+        if not head or (self.sent == 0 and _OPEN_TAG.startswith(head)):
+            return []  # nothing yet, or what may be the start of a tag
+        if self.sent == 0 and head[0] in "[{<" and (head[0] != "<" or head.startswith(_OPEN_TAG)):
+            self.held = True  # opens like a call
+            return []
+        tag = self.text.find(_OPEN_TAG, self.sent)
+        if tag >= 0:
+            self.held = True
+            end = tag
+        else:  # hold back a tail that may be the start of a tag
+            end = len(self.text)
+            for k in range(min(len(_OPEN_TAG) - 1, len(self.text) - self.sent), 0, -1):
+                if _OPEN_TAG.startswith(self.text[-k:]):
+                    end = len(self.text) - k
+                    break
+        out, self.sent = self.text[self.sent : end], max(self.sent, end)
+        return [{"content": out}] if out else []
+
+
+class _CallScanner:
+    """Scans a growing JSON array of calls, `[{"name": ..., "arguments": {...}}, ...]`,
+    (the shape a required call's grammar allows) and returns each call's delta as soon as
+    it is known: the head when the name is complete, then the arguments' text."""
+
+    def __init__(self) -> None:
+        self.stack: list[str] = []  # open containers
+        self.in_string = self.escape = False
+        self.index = -1
+        self._new_item()
+
+    def _new_item(self) -> None:
+        self.key: str | None = None
+        self.raw = ""  # the item-level string being read
+        self.after_colon = False
+        self.named = False
+        self.in_arguments = False  # inside the arguments' value
+        self.pending = ""  # arguments seen before the name
+
+    def feed(self, text: str) -> list[dict]:
+        parts: list[dict] = []
+        chunk = ""
+        for c in text:
+            if self.in_arguments:
+                chunk += c
+                self._track(c)
+                if len(self.stack) == 2 and not self.in_string:  # the value is closed
+                    parts += self._arguments(chunk)
+                    self.in_arguments, chunk = False, ""
+                continue
+            at_item = self.stack == ["[", "{"]
+            was_string = self.in_string
+            self._track(c)
+            if not at_item:
+                if self.stack == ["[", "{"]:  # a call opens
+                    self.index += 1
+                    self._new_item()
+                continue
+            if was_string and self.in_string:
+                self.raw += c
+            elif was_string:  # a string at the item's level ends: a key or the name
+                value = json.loads(f'"{self.raw}"')
+                if not self.after_colon:
+                    self.key = value
+                elif self.key == "name" and not self.named:
+                    parts += self._head(value)
+            elif self.in_string:
+                self.raw = ""
+            elif c == ":":
+                self.after_colon = True
+            elif c == ",":
+                self.key, self.after_colon = None, False
+            elif c in "{[" and self.key == "arguments" and self.after_colon:
+                self.in_arguments, chunk = True, c
+        parts += self._arguments(chunk)
+        return parts
+
+    def _track(self, c: str) -> None:
+        if self.in_string:
+            if self.escape:
+                self.escape = False
+            elif c == "\\":
+                self.escape = True
+            elif c == '"':
+                self.in_string = False
+        elif c == '"':
+            self.in_string = True
+        elif c in "{[":
+            self.stack.append(c)
+        elif c in "}]" and self.stack:
+            self.stack.pop()
+
+    def _head(self, name: str) -> list[dict]:
+        self.named = True
+        head = {"index": self.index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": name, "arguments": ""}}  # fmt: skip
+        pending, self.pending = self.pending, ""
+        return [head] + self._arguments(pending)
+
+    def _arguments(self, text: str) -> list[dict]:
+        if not text:
+            return []
+        if not self.named:
+            self.pending += text
+            return []
+        return [{"index": self.index, "function": {"arguments": text}}]

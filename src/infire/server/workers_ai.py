@@ -70,7 +70,7 @@ def build_router(models: Callable[[str], Awaitable[Any]]) -> APIRouter:
                                        kv_transfer=body.kv_transfer_params, stream=body.stream)  # fmt: skip
         if body.stream:
             return StreamingResponse(
-                _events(deltas), media_type="text/event-stream", headers=SSE_HEADERS
+                _events(deltas, plan), media_type="text/event-stream", headers=SSE_HEADERS
             )
         final: RequestOutput = await until_finished(request, deltas, ids)
         output = final.outputs[0]
@@ -89,18 +89,49 @@ def build_router(models: Callable[[str], Awaitable[Any]]) -> APIRouter:
     return router
 
 
-async def _events(deltas: AsyncIterator[RequestDelta]) -> AsyncIterator[str]:
-    last, completion = None, 0
+async def _events(
+    deltas: AsyncIterator[RequestDelta], plan: tools.ToolPlan | None
+) -> AsyncIterator[str]:
+    """`{"response": ...}` events as text is generated. With tools, the text goes through
+    tools.CallStream (an auto answer's content streams, calls are held); the calls go in
+    one event, `{"response": "", "tool_calls": [{"name", "arguments"}]}`, before the last."""
+    last, completion, reason = None, 0, None
+    calls = tools.CallStream(plan) if plan is not None else None
+    found: dict[int, dict] = {}
+    _collect(calls.start() if calls else [], found)
     try:
         async for delta in deltas:
             last = delta
             for choice in delta.choices:
                 completion += len(choice.token_ids)
-                if choice.text:
-                    yield sse({"response": choice.text})
+                reason = choice.finish_reason or reason
+                parts = calls.feed(choice.text) if calls else [{"content": choice.text}]
+                for event in _collect(parts, found):
+                    yield event
     except InfireError as e:  # the stream has started: the error goes in an event
         yield sse(error_body(e, workers_ai=True))
         return
+    if calls is not None:
+        parts, reason = calls.finish(reason)
+        for event in _collect(parts, found):
+            yield event
+        if reason == "tool_calls":  # not cut short by max_tokens
+            tool_calls = [{"name": c["name"], "arguments": json.loads(c["arguments"])}
+                          for c in found.values()]  # fmt: skip
+            yield sse({"response": "", "tool_calls": tool_calls})
     if last is not None:
         yield sse({"response": "", "usage": _usage(last.num_prompt_tokens, completion)})
     yield sse("[DONE]")
+
+
+def _collect(parts: list[dict], found: dict[int, dict]) -> list[str]:
+    """The content parts as events; the tool-call parts gathered into `found`."""
+    events = []
+    for part in parts:
+        if part.get("content"):
+            events.append(sse({"response": part["content"]}))
+        for call in part.get("tool_calls", []):
+            into = found.setdefault(call["index"], {"name": None, "arguments": ""})
+            into["name"] = call["function"].get("name") or into["name"]
+            into["arguments"] += call["function"].get("arguments", "")
+    return events
