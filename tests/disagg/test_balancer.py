@@ -4,6 +4,7 @@ and whole, chat, completions and Workers AI; the decode side's prefix cache; ref
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -51,6 +52,27 @@ def test_chat_through_the_balancer_equals_colocated(cluster, stream: bool, sampl
         got = _chat(cluster["balancer"], content, stream, **extra)
         assert got == expected, i
         assert len(got[1]) == 12 and got[2] == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_json_schema_through_the_balancer_equals_colocated(cluster, stream: bool) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
+              "required": ["a", "b"], "additionalProperties": False}  # fmt: skip
+    extra = {"temperature": 0.9, "seed": 7, "extra_body": {"guided_json": schema}}
+    kwargs = dict(model=TINY_NAME, messages=[{"role": "user", "content": "JSON please"}],
+                  max_tokens=40, stream=stream, **extra)  # fmt: skip
+    answers = []
+    for name in ("both", "balancer"):
+        response = _client(cluster[name]).chat.completions.create(**kwargs)
+        if stream:
+            chunks = list(response)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            text = response.choices[0].message.content
+        answers.append(text)
+    assert answers[0] == answers[1]
+    parsed = json.loads(answers[1])
+    assert isinstance(parsed["a"], int) and parsed["b"] in ("x", "y") and len(parsed) == 2
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

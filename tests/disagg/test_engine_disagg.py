@@ -5,6 +5,7 @@ with every block back in its pool at the end."""
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -97,6 +98,22 @@ def test_split_request_equals_a_whole_engine(engines, seeded: bool) -> None:
             for token, entry in mine.items():
                 assert entry.logprob == pytest.approx(theirs[token].logprob, abs=1e-5)
         assert first.outputs[0].token_ids == expected.token_ids[:1]
+    _assert_idle(prefill, decode)
+
+
+def test_a_grammar_carries_across_the_split(engines) -> None:
+    """The prefill engine samples the first token under the grammar; the decode engine
+    compiles its own matcher, feeds it that token and goes on: as one whole engine."""
+    whole, prefill, decode = engines
+    regex = "[a-z]{2,4}( [a-z]{2,4}){3,5}"
+    for i, seed in enumerate((None, 11)):
+        params = SamplingParams(temperature=0 if seed is None else 0.9, seed=seed,
+                                max_tokens=30, structured_output={"regex": regex})  # fmt: skip
+        expected = _run(whole, GenerateRequest(f"wg{i}", PROMPTS[i], params)).outputs[0]
+        _, got = _split(prefill, decode, f"sg{i}", PROMPTS[i], params)
+        assert got.outputs[0].token_ids == expected.token_ids
+        assert re.fullmatch(regex, got.outputs[0].text), got.outputs[0].text
+        assert got.outputs[0].finish_reason == expected.finish_reason == "stop"
     _assert_idle(prefill, decode)
 
 

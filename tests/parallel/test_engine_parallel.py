@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import subprocess
 import sys
 import time
@@ -67,13 +68,24 @@ def test_tp_pp_outputs_are_token_identical(fixture: str, request: pytest.Fixture
 
 
 def test_smollm2_pipeline_and_tensor_parallel(smollm2_path: Path):
-    prompts = ["The capital of France is", "1, 2, 3, 4,"]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    """With grammars too: on a pipeline, rank 0's matchers send the masks to the last
+    stage, which samples."""
+    prompts = ["The capital of France is", "1, 2, 3, 4,", "Call me at", "Is water wet?"]
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    phone = SamplingParams(temperature=0.8, seed=2, max_tokens=12,
+                           structured_output={"regex": "[0-9]{3}-[0-9]{4}"})  # fmt: skip
+    choice = SamplingParams(
+        temperature=0, max_tokens=12, structured_output={"choice": ["yes", "no"]}
+    )
+    params = [plain, plain, phone, choice]
 
     def run(tp: int, pp: int) -> list[list[int]]:
         with LLM(dtype="float32", num_blocks=64, tensor_parallel_size=tp,
                  pipeline_parallel_size=pp) as llm:  # fmt: skip
-            return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            outputs = llm.generate(prompts, params)
+        assert re.fullmatch("[0-9]{3}-[0-9]{4}", outputs[2].outputs[0].text)
+        assert outputs[3].outputs[0].text in ("yes", "no")
+        return [o.outputs[0].token_ids for o in outputs]
 
     reference = run(1, 1)
     assert run(1, 2) == reference

@@ -244,6 +244,31 @@ def test_streamed_tool_calls_reassemble_to_the_same_call(smollm2_server: Server,
     assert all(c["id"].startswith("call_") for c in calls.values())
 
 
+def test_tool_calls_with_n_2_whole_and_streamed(smollm2_server: Server):
+    client = openai.OpenAI(base_url=smollm2_server.base_url, api_key="unused", max_retries=0)
+    kwargs = {"model": "smollm2-135m-instruct", "messages": ASK, "tools": TOOLS, "n": 2,
+              "tool_choice": "required", "temperature": 0.8, "seed": 3, "max_tokens": 120}  # fmt: skip
+    whole = client.chat.completions.create(**kwargs).choices
+    assert [c.index for c in whole] == [0, 1]
+    for choice in whole:
+        assert choice.finish_reason == "tool_calls"
+        for call in choice.message.tool_calls:
+            ARGUMENTS[call.function.name].model_validate_json(call.function.arguments)
+    calls: dict[tuple[int, int], dict] = {}
+    reasons: dict[int, str] = {}
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+            for part in choice.delta.tool_calls or []:
+                call = calls.setdefault((choice.index, part.index), {"name": None, "arguments": ""})
+                call["name"] = (part.function.name if part.function else None) or call["name"]
+                call["arguments"] += (part.function.arguments if part.function else None) or ""
+    assert reasons == {0: "tool_calls", 1: "tool_calls"}
+    assert {i for i, _ in calls} == {0, 1}
+    for call in calls.values():
+        ARGUMENTS[call["name"]].model_validate_json(call["arguments"])
+
+
 def test_with_tools_a_text_answer_streams_as_content(smollm2_server: Server):
     """tool_choice auto: SmolLM2 answers this in text, which streams as it is generated
     (only an answer that opens like a call is held), the same text as the whole answer."""

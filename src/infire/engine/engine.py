@@ -119,12 +119,11 @@ class LLMEngine:
             kv_bytes_per_token=self.runner.kv_bytes_per_token,
             kv_role=config.disagg.role,
             kv_layout=self.transfer.signature if self.transfer else "",
-            structured_outputs=not sharded and config.disagg.role == "both",
         )
         # Structured outputs: grammars compile in a thread of their own, off the step loop;
         # a request waits in `_compiling` until its grammar is ready.
         self.grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size)
-        self._compiling: dict[str, Future] = {}
+        self._compiling: dict[str, tuple[Future, dict]] = {}  # and the request's kv_transfer
         self._compiler: ThreadPoolExecutor | None = None
 
     def _make_transfer(self) -> KVTransfer | None:
@@ -190,16 +189,20 @@ class LLMEngine:
         seqs = [self._new_sequence(request_id, i, ids, params, metrics) for i in range(params.n)]
         self.requests[request_id] = seqs
         self.stats.num_prompt_tokens += len(ids) * params.n
-        role = self.config.disagg.role
-        if role == "decode":
-            self._start_decode(seqs[0], request.kv_transfer or {})
-            return
         if params.structured_output is not None:
             if self._compiler is None:
                 self._compiler = ThreadPoolExecutor(1, thread_name_prefix="infire-grammar")
-            self._compiling[request_id] = self._compiler.submit(
-                self.grammars.check, params.structured_output
-            )
+            compiled = self._compiler.submit(self.grammars.check, params.structured_output)
+            self._compiling[request_id] = (compiled, request.kv_transfer or {})
+            return
+        self._start(seqs, request.kv_transfer or {})
+
+    def _start(self, seqs: list[Sequence], kv_transfer: dict) -> None:
+        """Schedule a request's sequences (on a decode engine: its first token, then the
+        pull of its KV)."""
+        role = self.config.disagg.role
+        if role == "decode":
+            self._start_decode(seqs[0], kv_transfer)
             return
         for seq in seqs:
             if role == "prefill":
@@ -334,8 +337,9 @@ class LLMEngine:
         wait a little for a compile rather than spin."""
         runnable = self.scheduler.waiting or self.scheduler.running or self._in_flight
         if not runnable:
-            wait(list(self._compiling.values()), timeout=0.005, return_when=FIRST_COMPLETED)
-        for request_id, future in list(self._compiling.items()):
+            futures = [future for future, _ in self._compiling.values()]
+            wait(futures, timeout=0.005, return_when=FIRST_COMPLETED)
+        for request_id, (future, kv_transfer) in list(self._compiling.items()):
             if not future.done():
                 continue
             del self._compiling[request_id]
@@ -343,17 +347,17 @@ class LLMEngine:
             if seqs is None or all(seq.finished for seq in seqs):
                 continue  # aborted while it compiled
             error = future.exception()
-            for seq in seqs:
-                if error is not None:
-                    seq.error = str(error)
-                    seq.invalid = isinstance(error, InvalidRequestError)
-                    seq.finish("abort")
-                    self._finish(seq)
-                else:
+            if error is None:
+                for seq in seqs:
                     seq.matcher = self.grammars.matcher(seq.params.structured_output)
-                    self.scheduler.add(seq)
-            if error is not None:
-                self._changed[request_id] = None
+                self._start(seqs, kv_transfer)
+                continue
+            for seq in seqs:
+                seq.error = str(error)
+                seq.invalid = isinstance(error, InvalidRequestError)
+                seq.finish("abort")
+                self._finish(seq)
+            self._changed[request_id] = None
 
     def _step(self) -> list[RequestDelta]:
         while len(self._in_flight) < self.executor.pipeline_depth:

@@ -42,6 +42,7 @@ from infire.engine.messages import (
 from infire.engine.request import Sequence
 from infire.engine.runner import ModelRunner, StepResult
 from infire.engine.scheduler import ScheduledSequence
+from infire.engine.structured import token_bitmask
 from infire.layers.sampler import SamplerOutput
 from infire.models.loader import LoadedModel, load_model
 from infire.models.registry import check_split
@@ -255,7 +256,9 @@ class MultiprocExecutor:
     def submit(self, batch: list[ScheduledSequence]) -> _InFlight:
         """Send the step to every rank, run stage 0 here, and pass its output on."""
         self._step_id += 1
-        step = self._step_input(batch)
+        step = self._step_input(
+            batch, self._grammar(batch) if self.place.pp_size > 1 else ([], b"")
+        )
         flight = _InFlight(self._step_id, [item.seq for item in batch if _samples(item)])
         for rank in range(1, self.world_size):
             flight.works += send_message(step, rank, TAG_STEP, self._messages)
@@ -302,7 +305,9 @@ class MultiprocExecutor:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def _step_input(self, batch: list[ScheduledSequence]) -> StepInput:
+    def _step_input(
+        self, batch: list[ScheduledSequence], grammar: tuple[list[int], bytes] = ([], b"")
+    ) -> StepInput:
         new, items = [], []
         for entry in batch:
             seq = entry.seq
@@ -319,7 +324,17 @@ class MultiprocExecutor:
             ))  # fmt: skip
             sent.num_tokens, sent.num_blocks = len(seq.token_ids), len(seq.block_table)
         finished, self._released = self._released, []
-        return StepInput(self._step_id, new, items, finished)
+        return StepInput(self._step_id, new, items, finished, *grammar)
+
+    def _grammar(self, batch: list[ScheduledSequence]) -> tuple[list[int], bytes]:
+        """The rows of the step's sampled sequences that a grammar constrains, and their
+        token bitmask: the sampling rank of a pipeline has no matchers of its own."""
+        sampled = [entry.seq for entry in batch if _samples(entry)]
+        rows = [i for i, seq in enumerate(sampled) if seq.matcher is not None]
+        if not rows:
+            return [], b""
+        matchers = [sampled[i].matcher for i in rows]
+        return rows, token_bitmask(matchers, self.runner.config.vocab_size).tobytes()
 
 
 def _samples(item: ScheduledSequence) -> bool:

@@ -132,7 +132,6 @@ class ModelInfo:
     kv_bytes_per_token: int = 0  # a token of context in the whole model's KV cache
     kv_role: str = "both"  # disaggregation role: both, prefill or decode
     kv_layout: str = ""  # the KV pool layout peers must share (disagg/transfer.py)
-    structured_outputs: bool = True  # grammars (engine/structured.py): not under TP/PP, roles
     tasks: tuple[str, ...] = ("generate",)
 
 
@@ -230,6 +229,10 @@ class StepInput:
     new: list[NewSequence]
     scheduled: list[ScheduledItem]
     finished: list[int]  # seq ids finished or aborted since the last step
+    # with pipeline stages: the rows of the step's sampled sequences that a grammar
+    # constrains, and their token bitmask (int32 words, row-major), for the sampling rank
+    grammar_rows: list[int] = dataclasses.field(default_factory=list)
+    grammar_mask: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,7 +325,8 @@ def _fields(message: Message) -> list:
             for n in message.new
         ]
         scheduled = [list(dataclasses.astuple(item)) for item in message.scheduled]
-        return [message.step_id, new, scheduled, message.finished]
+        return [message.step_id, new, scheduled, message.finished, message.grammar_rows,
+                message.grammar_mask]  # fmt: skip
     return [getattr(message, f.name) for f in dataclasses.fields(message)]
 
 
@@ -337,9 +341,10 @@ def _build(cls: type, values: list) -> Message:
         deltas, stats = values
         return StepOutputs([_build_delta(d) for d in deltas], EngineStats(*stats))
     if cls is StepInput:
-        step_id, new, scheduled, finished = values
+        step_id, new, scheduled, finished, grammar_rows, grammar_mask = values
         new_seqs = [NewSequence(i, x, SamplingParams(**p), ids) for i, x, p, ids in new]
-        return StepInput(step_id, new_seqs, [ScheduledItem(*v) for v in scheduled], finished)
+        items = [ScheduledItem(*v) for v in scheduled]
+        return StepInput(step_id, new_seqs, items, finished, grammar_rows, grammar_mask)
     return cls(*values)
 
 

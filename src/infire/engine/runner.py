@@ -18,7 +18,7 @@ import torch
 
 from infire.config import CacheConfig, ModelConfig, SchedulerConfig
 from infire.engine.request import Sequence
-from infire.engine.sampling_state import SamplingState
+from infire.engine.sampling_state import Grammar, SamplingState
 from infire.engine.scheduler import ScheduledSequence
 from infire.errors import ModelLoadError
 from infire.kernels import CpuForward
@@ -204,12 +204,15 @@ class ModelRunner:
         return self.model.compute_logits(out[_longs(rows, self.device)]) if rows else out[:0]
 
     @torch.inference_mode()
-    def sample(self, batch: list[ScheduledSequence], logits: torch.Tensor) -> StepResult:
-        """Sample the rows of `logits` (from run_stage) for the batch's sampling sequences."""
+    def sample(
+        self, batch: list[ScheduledSequence], logits: torch.Tensor, grammar: Grammar | None = None
+    ) -> StepResult:
+        """Sample the rows of `logits` (from run_stage) for the batch's sampling sequences
+        (`grammar`: the masks rank 0 computed, on a pipeline's sampling rank)."""
         seqs = [item.seq for item in batch if _samples(item)]
         if not seqs:
             return StepResult([], None)
-        return StepResult(seqs, self.sampler(logits, self._sampling_metadata(seqs)))
+        return StepResult(seqs, self.sampler(logits, self._sampling_metadata(seqs, grammar)))
 
     def _forward_fused(self, batch: list[ScheduledSequence]) -> tuple[list[Sequence], torch.Tensor]:
         """The same through the fused CPU forward."""
@@ -353,8 +356,10 @@ class ModelRunner:
             max_q=max_q,
         )
 
-    def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
-        return self.sampling_state.metadata(seqs)
+    def _sampling_metadata(
+        self, seqs: list[Sequence], grammar: Grammar | None = None
+    ) -> SamplingMetadata:
+        return self.sampling_state.metadata(seqs, grammar)
 
     def release_sequence(self, seq_id: int) -> None:
         """Free a finished or aborted sequence's sampling rows (penalties, logit bias); idempotent."""

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from infire.engine.request import Sequence
-from infire.engine.structured import disallowed_tokens
+from infire.engine.structured import forbidden_tokens, token_bitmask
 from infire.layers.sampler import SamplingMetadata
 
 _ZERO_ROW = 0  # read by sequences without a lease: no penalty, no bias
@@ -101,6 +102,10 @@ class _RowPool:
         self.free += range(2 * old, old, -1)
 
 
+# The rows of a step's sampled sequences that a grammar constrains, and their token_bitmask
+Grammar = tuple[list[int], np.ndarray]
+
+
 class SamplingState:
     """Per-sequence penalty and logit-bias rows, and each step's SamplingMetadata."""
 
@@ -112,8 +117,11 @@ class SamplingState:
         self.penalties = _RowPool(vocab_size, (torch.bool, torch.float32), device, capacity)
         self.biases = _RowPool(vocab_size, (torch.float32,), device, capacity)
 
-    def metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
-        """This step's sampling parameters, a row per sequence; valid until the next call."""
+    def metadata(self, seqs: list[Sequence], grammar: Grammar | None = None) -> SamplingMetadata:
+        """This step's sampling parameters, a row per sequence; valid until the next call.
+
+        The grammar masks come from the sequences' matchers, or on a pipeline's sampling
+        rank (whose sequences have none) from `grammar`: rank 0's (rows, token_bitmask)."""
         params = [seq.params for seq in seqs]
         meta = SamplingMetadata(
             temperature=self._floats([p.temperature for p in params]),
@@ -138,11 +146,14 @@ class SamplingState:
         meta.max_num_logprobs = max(wanted) if wanted else None
         if any(p.logit_bias for p in params):
             meta.logit_bias = self._bias_rows(seqs)
-        constrained = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
-        if constrained:
+        constrained, bitmask = grammar if grammar is not None else ([], None)
+        if not constrained:
+            constrained = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
             matchers = [seqs[i].matcher for i in constrained]
-            on_gpu = self.device.type != "cpu"
-            meta.disallowed = disallowed_tokens(matchers, self.vocab_size, on_gpu).to(self.device)
+            if matchers:
+                bitmask = token_bitmask(matchers, self.vocab_size, self.device.type != "cpu")
+        if constrained:
+            meta.disallowed = forbidden_tokens(bitmask, self.vocab_size).to(self.device)
             if len(constrained) < len(seqs):
                 meta.disallowed_rows = self._longs(constrained)
         return meta

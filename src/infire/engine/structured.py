@@ -128,10 +128,9 @@ class GrammarCache:
         return template
 
 
-def disallowed_tokens(matchers: list[Any], vocab_size: int, parallel: bool = False) -> torch.Tensor:
-    """[len(matchers), vocab_size] bool: the tokens each matcher forbids next (llguidance's
-    bitmask, bit t % 32 of word t // 32 set when token t is allowed, inverted and unpacked
-    by NumPy: a tenth of the time of a torch unpack).
+def token_bitmask(matchers: list[Any], vocab_size: int, parallel: bool = False) -> np.ndarray:
+    """int32 [len(matchers), words]: llguidance's bitmask of the tokens each matcher allows
+    next (bit t % 32 of word t // 32).
 
     `parallel` fills the rows on llguidance's thread pool. Only for a forward that leaves
     the CPU idle (a GPU's): its threads spin a while after each fill, and on a CPU whose
@@ -147,8 +146,19 @@ def disallowed_tokens(matchers: list[Any], vocab_size: int, parallel: bool = Fal
     else:
         for row, matcher in enumerate(matchers):
             llnp.fill_next_token_bitmask(matcher, bitmask, row)
+    return bitmask
+
+
+def forbidden_tokens(bitmask: np.ndarray, vocab_size: int) -> torch.Tensor:
+    """[rows, vocab_size] bool: the tokens a token_bitmask forbids (inverted and unpacked
+    by NumPy: a tenth of the time of a torch unpack)."""
     forbidden = np.unpackbits((~bitmask).view(np.uint8), axis=1, bitorder="little")
     return torch.from_numpy(forbidden[:, :vocab_size]).view(torch.bool)
+
+
+def disallowed_tokens(matchers: list[Any], vocab_size: int, parallel: bool = False) -> torch.Tensor:
+    """[len(matchers), vocab_size] bool: the tokens each matcher forbids next."""
+    return forbidden_tokens(token_bitmask(matchers, vocab_size, parallel), vocab_size)
 
 
 _EXECUTOR: Any = None

@@ -34,11 +34,6 @@ def check_prompt(ids: list[int], info: ModelInfo) -> None:
 def check_params(params: SamplingParams, info: ModelInfo) -> None:
     """What SamplingParams cannot check alone: token ids against this model's vocabulary."""
     vocab = info.vocab_size
-    if params.structured_output is not None and not info.structured_outputs:
-        raise InvalidRequestError(
-            "structured outputs are not available on this server (tensor or pipeline "
-            "parallel ranks, or a disaggregated role)", param="response_format",
-        )  # fmt: skip
     for name, ids in (("logit_bias", params.logit_bias or {}),
                       ("stop_token_ids", params.stop_token_ids)):  # fmt: skip
         if any(not 0 <= t < vocab for t in ids):

@@ -17,6 +17,7 @@ import signal
 import sys
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -104,7 +105,11 @@ def serve(runner: ModelRunner, place: RankPlace, messages: Any = None) -> None:
         if not place.is_last_stage:
             pending = [dist.isend(out, place.rank + place.tp_size, tag=TAG_HIDDEN), out]
         elif place.rank == place.sampling_rank:
-            output = runner.sample(batch, out).output
+            grammar = None
+            if message.grammar_rows:  # rank 0's masks for the rows a grammar constrains
+                mask = np.frombuffer(message.grammar_mask, dtype=np.int32)
+                grammar = (message.grammar_rows, mask.reshape(len(message.grammar_rows), -1))
+            output = runner.sample(batch, out, grammar).output
             sampled = sampled_message(message.step_id, output) if output else None
             sampled = sampled or SampledTokens(message.step_id, [])
             pending = send_message(sampled, 0, TAG_SAMPLED, messages)

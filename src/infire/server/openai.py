@@ -71,7 +71,6 @@ def build_router(generative: Models, listing: Callable[[], list[dict]]) -> APIRo
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Any:
         body, serving = await parse_for_model(request, ChatCompletionRequest, generative)
-        body.check_supported()
         params = body.to_sampling_params()
         plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
         param = body.structured_param
@@ -201,39 +200,40 @@ async def _stream_tool_calls(
     request: Request, serving: Serving, prompt: list[int], params: SamplingParams,
     explicit_max: bool, include_usage: bool, plan: tools.ToolPlan,
 ) -> StreamingResponse:  # fmt: skip
-    """A chat stream with tools (n = 1), in OpenAI's layout: each call's index, id, type
-    and name first, then its argument fragments as they are generated (tools.CallStream
-    says when an auto answer is content and when it is held)."""
+    """A chat stream with tools, in OpenAI's layout: each call's index, id, type and name
+    first, then its argument fragments as they are generated (a tools.CallStream per
+    choice says when an auto answer is content and when it is held)."""
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     ids, deltas = serving.generate(prompt, params, request_id, explicit_max, stream=True)
     base = {"id": request_id, "created": int(time.time()), "model": serving.model_name,
             "object": "chat.completion.chunk"}  # fmt: skip
     extra = {"usage": None} if include_usage else {}
 
-    def chunk(delta: dict, reason: str | None = None) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+    def chunk(index: int, delta: dict, reason: str | None = None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
         return sse({**base, "choices": [choice], **extra})
 
     async def events() -> AsyncIterator[str]:
-        yield chunk({"role": "assistant", "content": None})
-        calls = tools.CallStream(plan)
-        tokens, reason = 0, None
+        calls = [tools.CallStream(plan) for _ in range(params.n)]
+        tokens = 0
         try:
-            for delta in calls.start():
-                yield chunk(delta)
+            for index, stream in enumerate(calls):
+                yield chunk(index, {"role": "assistant", "content": None})
+                for delta in stream.start():
+                    yield chunk(index, delta)
             async for update in deltas:
                 for choice in update.choices:
                     tokens += len(choice.token_ids)
-                    reason = choice.finish_reason or reason
-                    for delta in calls.feed(choice.text):
-                        yield chunk(delta)
+                    for delta in calls[choice.index].feed(choice.text):
+                        yield chunk(choice.index, delta)
+                    if choice.finish_reason:
+                        last, reason = calls[choice.index].finish(choice.finish_reason)
+                        for delta in last:
+                            yield chunk(choice.index, delta)
+                        yield chunk(choice.index, {}, reason)
         except InfireError as e:
             yield sse(error_body(e))
             return
-        last, reason = calls.finish(reason)
-        for delta in last:
-            yield chunk(delta)
-        yield chunk({}, reason)
         if include_usage:
             yield sse({**base, "choices": [], "usage": usage(len(ids), tokens, 0)})
         yield sse("[DONE]")

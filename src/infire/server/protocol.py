@@ -150,11 +150,6 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
 
-    def check_supported(self) -> None:
-        """Refuse what infire does not do yet, naming it."""
-        if self.tools and self.tool_choice != "none" and self.n > 1:
-            raise InvalidRequestError("tools with n > 1 are not supported yet", param="n")
-
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
         top = (self.top_logprobs or 0) if self.logprobs else None
