@@ -38,6 +38,7 @@ typedef struct {
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab;
     int32_t block_size, weight_bf16, kv_bf16;
     int32_t weight_palette; /* matmul weights and embedding are PaletteWeight (bf16 values) */
+    int32_t weight_quant;   /* matmul weights and embedding are QuantWeight (GGUF blocks) */
     float eps, scale;
     int64_t num_blocks;
     const void *const *qkv;     /* per layer, tiled */
@@ -266,11 +267,183 @@ static inline void palette_tile(const PaletteWeight *w, long tile, int cols, __m
     }
 }
 
-enum { WEIGHT_F32, WEIGHT_BF16, WEIGHT_PALETTE };
+/*
+ * GGUF quantized weights, kept in their own blocks (llama.cpp's layouts). A matmul weight
+ * is a QuantWeight: one or more parts of whole rows (a fused q|k|v or gate|up weight whose
+ * pieces have different types), each row a run of blocks along the input features. A tile
+ * of 4 rows is decoded to fp32 in the fp32 tile layout, with the arithmetic of the `gguf`
+ * package's dequantize, and multiplied as an fp32 tile: the result is bit for bit the
+ * fp32 path's on the dequantized weights, whatever the batch.
+ */
+enum { GGML_F32 = 0, GGML_F16 = 1, GGML_BF16 = 30, GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,
+       GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
+
+#define MAX_QUANT_PARTS 4
+
+typedef struct {
+    int32_t type, rows; /* GGML type; rows (a multiple of TILE_ROWS) */
+    int64_t row_bytes;
+    const uint8_t *data; /* rows * row_bytes */
+} QuantPart;
+
+typedef struct {
+    int32_t num_parts;
+    QuantPart parts[MAX_QUANT_PARTS];
+} QuantWeight;
+
+static inline float half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* Q4_K and Q5_K's 6-bit scale and min of sub-block j (of 8). */
+static inline void scale_min_k4(const uint8_t *s, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* One row of `cols` values as fp32, each computed as the `gguf` package's dequantize does
+ * (the same products and sums, in the same order: the file is built without contraction
+ * into FMAs). */
+static void dequant_row(int type, const uint8_t *b, int cols, float *out) {
+    switch (type) {
+    case GGML_F32:
+        memcpy(out, b, sizeof(float) * cols);
+        break;
+    case GGML_F16:
+        for (int i = 0; i < cols; i++) out[i] = half(b + 2 * i);
+        break;
+    case GGML_BF16:
+        for (int i = 0; i < cols; i++) out[i] = bf16_to_f32(((const uint16_t *)b)[i]);
+        break;
+    case GGML_Q8_0:
+        for (int i = 0; i < cols; i += 32, b += 34) {
+            float d = half(b);
+            for (int j = 0; j < 32; j++) out[i + j] = (float)(int8_t)b[2 + j] * d;
+        }
+        break;
+    case GGML_Q4_0:
+        for (int i = 0; i < cols; i += 32, b += 18) {
+            float d = half(b);
+            for (int j = 0; j < 16; j++) {
+                out[i + j] = d * (float)((b[2 + j] & 0x0F) - 8);
+                out[i + j + 16] = d * (float)((b[2 + j] >> 4) - 8);
+            }
+        }
+        break;
+    case GGML_Q4_1:
+        for (int i = 0; i < cols; i += 32, b += 20) {
+            float d = half(b), m = half(b + 2);
+            for (int j = 0; j < 16; j++) {
+                out[i + j] = d * (float)(b[4 + j] & 0x0F) + m;
+                out[i + j + 16] = d * (float)(b[4 + j] >> 4) + m;
+            }
+        }
+        break;
+    case GGML_Q5_0:
+    case GGML_Q5_1: {
+        int one = type == GGML_Q5_1, size = one ? 24 : 22;
+        for (int i = 0; i < cols; i += 32, b += size) {
+            float d = half(b), m = one ? half(b + 2) : 0.0f;
+            uint32_t qh;
+            memcpy(&qh, b + 2 + 2 * one, 4);
+            const uint8_t *qs = b + 6 + 2 * one;
+            for (int j = 0; j < 16; j++) {
+                int lo = (qs[j] & 0x0F) | (((qh >> j) & 1) << 4);
+                int hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+                if (one) {
+                    out[i + j] = d * (float)lo + m;
+                    out[i + j + 16] = d * (float)hi + m;
+                } else {
+                    out[i + j] = d * (float)(lo - 16);
+                    out[i + j + 16] = d * (float)(hi - 16);
+                }
+            }
+        }
+        break;
+    }
+    case GGML_Q4_K:
+    case GGML_Q5_K: {
+        int five = type == GGML_Q5_K, size = five ? 176 : 144;
+        for (int i = 0; i < cols; i += 256, b += size) {
+            float d = half(b), dmin = half(b + 2);
+            const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + 16 + 32 * five;
+            for (int j = 0; j < 8; j++) {
+                int sc, mn;
+                scale_min_k4(scales, j, &sc, &mn);
+                float ds = d * (float)sc, dm = dmin * (float)mn;
+                const uint8_t *q = qs + 32 * (j / 2);
+                int shift = 4 * (j % 2);
+                for (int l = 0; l < 32; l++) {
+                    int v = (q[l] >> shift) & 0x0F;
+                    if (five) v |= ((qh[l] >> j) & 1) << 4;
+                    out[i + 32 * j + l] = ds * (float)v - dm;
+                }
+            }
+        }
+        break;
+    }
+    case GGML_Q6_K:
+        for (int i = 0; i < cols; i += 256, b += 210) {
+            const uint8_t *ql = b, *qh = b + 128;
+            const int8_t *scales = (const int8_t *)(b + 192);
+            float d = half(b + 208);
+            for (int e = 0; e < 256; e++) {
+                int h = e / 128, s = (e % 128) / 64, k = (e % 128) / 32;
+                int lo = (ql[h * 64 + e % 64] >> (4 * s)) & 0x0F;
+                int hi = (qh[h * 32 + e % 32] >> (2 * k)) & 0x03;
+                out[i + e] = (d * (float)scales[e / 16]) * (float)((lo | (hi << 4)) - 32);
+            }
+        }
+        break;
+    }
+}
+
+/* The part and row within it of global row `row`. */
+static inline const QuantPart *quant_part(const QuantWeight *w, int *row) {
+    int p = 0;
+    while (p + 1 < w->num_parts && *row >= w->parts[p].rows) *row -= w->parts[p++].rows;
+    return &w->parts[p];
+}
+
+/* Rows 4 tile .. 4 tile + 3 decoded into the fp32 tile layout [cols/16][4][16]; `row`
+ * scratch holds one decoded row. Rows past the weight's end are zeros. */
+static void decode_tile(const QuantWeight *w, long tile, int cols, int rows, float *out,
+                        float *row) {
+    for (int r = 0; r < TILE_ROWS; r++) {
+        int at = (int)(tile * TILE_ROWS + r);
+        if (at >= rows) {
+            memset(row, 0, sizeof(float) * cols);
+        } else {
+            const QuantPart *p = quant_part(w, &at);
+            dequant_row(p->type, p->data + at * p->row_bytes, cols, row);
+        }
+        for (int k = 0; k < cols; k += TILE_COLS)
+            memcpy(out + (long)k * TILE_ROWS + r * TILE_COLS, row + k, sizeof(float) * TILE_COLS);
+    }
+}
+
+/* Exported for the tests: rows [first, first + n) of a QuantWeight as fp32 row-major. */
+void infire_dequantize_rows(const QuantWeight *w, int first, int n, int cols, float *out) {
+    for (int r = 0; r < n; r++) {
+        int at = first + r;
+        const QuantPart *p = quant_part(w, &at);
+        dequant_row(p->type, p->data + at * p->row_bytes, cols, out + (long)r * cols);
+    }
+}
+
+enum { WEIGHT_F32, WEIGHT_BF16, WEIGHT_PALETTE, WEIGHT_QUANT };
 
 static inline __attribute__((always_inline)) void linear_impl(
     const void *w, const int kind, const float *bias, const float *x, int n, int cols,
-    float *y, int rows, int ldy, int accumulate, uint16_t *scratch) {
+    float *y, int rows, int ldy, int accumulate, uint16_t *scratch, float *tile_f32,
+    float *row_f32) {
     int tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
     __m256i hi = _mm256_setzero_si256(), lo = hi;
     if (kind == WEIGHT_PALETTE) palette_tables(w, &hi, &lo);
@@ -287,7 +460,12 @@ static inline __attribute__((always_inline)) void linear_impl(
                 palette_tile(w, tile, cols, hi, lo, scratch);
                 wt = scratch;
                 at = 0;
+            } else if (kind == WEIGHT_QUANT) { /* decoded once per token block */
+                decode_tile(w, tile, cols, rows, tile_f32, row_f32);
+                wt = tile_f32;
+                at = 0;
             }
+            const int bf16 = kind == WEIGHT_BF16 || kind == WEIGHT_PALETTE;
             for (int t = t0; t < t1; t += 2) {
                 float d0[TILE_ROWS], d1[TILE_ROWS];
                 const float *x0 = x + (long)t * cols;
@@ -298,9 +476,9 @@ static inline __attribute__((always_inline)) void linear_impl(
                     else
                         palette_dots(w, tile, cols, hi, lo, x0, x0, 0, d0, d1);
                 } else if (two)
-                    tile_dots(wt, at, cols, kind != WEIGHT_F32, x0, x0 + cols, 1, d0, d1);
+                    tile_dots(wt, at, cols, bf16, x0, x0 + cols, 1, d0, d1);
                 else
-                    tile_dots(wt, at, cols, kind != WEIGHT_F32, x0, x0, 0, d0, d1);
+                    tile_dots(wt, at, cols, bf16, x0, x0, 0, d0, d1);
                 for (int r = 0; r < TILE_ROWS; r++) {
                     int row = tile * TILE_ROWS + r;
                     if (row >= rows) break;
@@ -321,11 +499,26 @@ static void linear(const InfireModel *m, const void *w, const float *bias, const
                    int cols, float *y, int rows, int ldy, int accumulate) {
     if (m->weight_palette) {
         uint16_t scratch[TILE_ROWS * cols];
-        linear_impl(w, WEIGHT_PALETTE, bias, x, n, cols, y, rows, ldy, accumulate, scratch);
+        linear_impl(w, WEIGHT_PALETTE, bias, x, n, cols, y, rows, ldy, accumulate, scratch, NULL,
+                    NULL);
+    } else if (m->weight_quant) {
+        float tile[TILE_ROWS * cols], row[cols];
+        linear_impl(w, WEIGHT_QUANT, bias, x, n, cols, y, rows, ldy, accumulate, NULL, tile, row);
     } else if (m->weight_bf16)
-        linear_impl(w, WEIGHT_BF16, bias, x, n, cols, y, rows, ldy, accumulate, NULL);
+        linear_impl(w, WEIGHT_BF16, bias, x, n, cols, y, rows, ldy, accumulate, NULL, NULL, NULL);
     else
-        linear_impl(w, WEIGHT_F32, bias, x, n, cols, y, rows, ldy, accumulate, NULL);
+        linear_impl(w, WEIGHT_F32, bias, x, n, cols, y, rows, ldy, accumulate, NULL, NULL, NULL);
+}
+
+/* Exported for the tests and benchmarks: y[n, rows] = x[n, cols] W^T through the kernel's
+ * QuantWeight path (the one the forward takes), on the OpenMP threads. */
+void infire_quant_linear(const QuantWeight *w, const float *x, int n, int cols, float *y,
+                         int rows) {
+#pragma omp parallel
+    {
+        float tile[TILE_ROWS * cols], row[cols];
+        linear_impl(w, WEIGHT_QUANT, NULL, x, n, cols, y, rows, rows, 0, NULL, tile, row);
+    }
 }
 
 /* out = x / rms(x) * weight over one row of dim floats (out may be x) */
@@ -369,6 +562,10 @@ static void embed_tokens(const InfireModel *m, const int64_t *token_ids, int n, 
                 _mm256_storeu_ps(xt + k * TILE_COLS, a);
                 _mm256_storeu_ps(xt + k * TILE_COLS + 8, b);
             }
+        } else if (m->weight_quant) { /* the looked-up row, decoded */
+            int at = (int)token_ids[t];
+            const QuantPart *p = quant_part(m->embed, &at);
+            dequant_row(p->type, p->data + at * p->row_bytes, h, xt);
         } else if (m->weight_bf16)
             for (int i = 0; i < h; i++) xt[i] = bf16_to_f32(((const uint16_t *)m->embed)[row + i]);
         else

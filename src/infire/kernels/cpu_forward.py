@@ -25,7 +25,10 @@ from infire.unweight import palette
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_forward.c")
-CFLAGS = ["-O3", "-std=gnu11", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+# no contraction into FMAs beyond the explicit ones: GGUF blocks decode to exactly the
+# values of the `gguf` package's dequantize
+CFLAGS = ["-O3", "-std=gnu11", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp",
+          "-shared", "-fPIC"]  # fmt: skip
 TILE_ROWS, TILE_COLS = 4, 16
 MAX_HEAD_DIM = 256
 
@@ -38,7 +41,7 @@ class _Model(ctypes.Structure):
     _fields_ = [
         *((name, ctypes.c_int32) for name in (
             "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
-            "vocab", "block_size", "weight_bf16", "kv_bf16", "weight_palette",
+            "vocab", "block_size", "weight_bf16", "kv_bf16", "weight_palette", "weight_quant",
         )),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
@@ -65,6 +68,55 @@ class _PaletteWeight(ctypes.Structure):
     _fields_ = [
         (name, _ptr) for name in ("palette", "chunks", "flags", "verbatim", "tile_verbatim")
     ]
+
+
+MAX_QUANT_PARTS = 4
+
+
+class _QuantPart(ctypes.Structure):
+    """Mirror of QuantPart in cpu_forward.c: rows of one GGML type, blocks along a row."""
+
+    _fields_ = [("type", ctypes.c_int32), ("rows", ctypes.c_int32), ("row_bytes", ctypes.c_int64),
+                ("data", _ptr)]  # fmt: skip
+
+
+class QuantWeight(ctypes.Structure):
+    """Mirror of QuantWeight in cpu_forward.c: a matmul weight of GGUF blocks, in parts of
+    whole rows (a fused q|k|v whose pieces have different types). `parts` are (GGML type
+    id, [rows, row_bytes] uint8 tensor) pairs; the tensors stay referenced here."""
+
+    _fields_ = [("num_parts", ctypes.c_int32), ("parts", _QuantPart * MAX_QUANT_PARTS)]
+
+    def __init__(self, parts: list[tuple[int, torch.Tensor]]) -> None:
+        if not 0 < len(parts) <= MAX_QUANT_PARTS:
+            raise ValueError(f"a QuantWeight has 1 to {MAX_QUANT_PARTS} parts, not {len(parts)}")
+        structs = [_QuantPart(kind, data.shape[0], data.shape[1], data.data_ptr())
+                   for kind, data in parts]  # fmt: skip
+        super().__init__(len(parts), (_QuantPart * MAX_QUANT_PARTS)(*structs))
+        self.tensors = [data for _, data in parts]
+        self.rows = sum(data.shape[0] for data in self.tensors)
+
+
+def dequantize_rows(weight: QuantWeight, first: int, count: int, cols: int) -> torch.Tensor:
+    """Rows [first, first + count) of a QuantWeight decoded by the kernel, as float32."""
+    lib = load_library()
+    if isinstance(lib, str):
+        raise RuntimeError(lib)
+    out = torch.empty(count, cols)
+    lib.infire_dequantize_rows(ctypes.byref(weight), first, count, cols, _ptr(out.data_ptr()))
+    return out
+
+
+def quant_linear(weight: QuantWeight, x: torch.Tensor) -> torch.Tensor:
+    """x [n, cols] float32 times a QuantWeight's transpose, through the forward's kernel."""
+    lib = load_library()
+    if isinstance(lib, str):
+        raise RuntimeError(lib)
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], weight.rows)
+    lib.infire_quant_linear(ctypes.byref(weight), _ptr(x.data_ptr()), x.shape[0], x.shape[1],
+                            _ptr(y.data_ptr()), weight.rows)  # fmt: skip
+    return y
 
 
 @cache
@@ -277,7 +329,7 @@ class CpuForward:
             config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
             config.num_key_value_heads, config.head_dim, config.intermediate_size,
             config.vocab_size, kv_cache.shape[3], bf16, kv_cache.dtype == torch.bfloat16,
-            self.palette, config.rms_norm_eps, config.head_dim**-0.5, kv_cache.shape[2],
+            self.palette, 0, config.rms_norm_eps, config.head_dim**-0.5, kv_cache.shape[2],
             *self._arrays, ptr(fp32(model.norm.weight)), embed, lm_head, kv_cache.data_ptr(),
             num_experts, top_k, *self._expert_arrays, norm_topk, expert_size,
             *(ctypes.cast(a, ctypes.POINTER(_ptr)) if a is not None else None for a in qk_norms),
