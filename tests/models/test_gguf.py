@@ -426,3 +426,27 @@ def test_slices_equal_the_whole_tensor(tmp_path: Path, chunk: int | None, monkey
     q = "model.layers.0.self_attn.q_proj.weight"
     with pytest.raises(ValueError, match="splits a head"):
         weights.read(q, 0, 1, head_dim)
+
+
+def test_blocks_are_the_stored_rows_in_the_models_order(tmp_path: Path):
+    """GGUFSource.blocks: a 2-D weight's blocks as stored (q/k rows un-permuted as whole
+    rows), which decode to exactly the tensor the source reads; none for 1-D tensors."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    path = tmp_path / "tiny.gguf"
+    _write_tiny(path, bias=True)
+    _, weights, _ = load_gguf(path, torch.float32)
+    kinds = set()
+    for name in weights.names():
+        found = weights.blocks(name)
+        if len(weights.shape(name)) != 2:
+            assert found is None, name
+            continue
+        kind, data = found
+        kinds.add(GGMLQuantizationType(kind))
+        decoded = dequantize(data.numpy(), GGMLQuantizationType(kind))
+        assert torch.equal(
+            torch.from_numpy(decoded.reshape(weights.shape(name))), weights.read(name)
+        )
+    assert GGMLQuantizationType.Q8_0 in kinds

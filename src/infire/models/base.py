@@ -117,7 +117,8 @@ class CausalLM(nn.Module):
     @classmethod
     def gguf_tensor_transform(cls, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Undo what llama.cpp's converter did to a tensor of this family (read from GGUF; a
-        piece of rows at a time, in float32, so row-wise transforms only)."""
+        piece of rows at a time, in float32, so row-wise transforms only). 1-D tensors
+        only: 2-D weights may be served as their stored blocks (GGUFSource.blocks)."""
         return tensor
 
     def make_layer(self, index: int) -> nn.Module:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import mmap
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -457,6 +458,24 @@ class GGUFSource(WeightSource):
             )
         self._release(tensor)
         return out
+
+    def blocks(self, name: str) -> tuple[int, torch.Tensor] | None:
+        """A 2-D weight as the file stores it: (GGML type id, [rows, row_bytes] uint8),
+        the rows un-permuted for q/k as `_read` does (a copy of the same size), every
+        other tensor a view of the memory map (nothing read until it is used). None for
+        1-D tensors (a family's gguf_tensor_transform touches only those)."""
+        tensor = self._tensors[name]
+        if len(_torch_shape(tensor)) != 2:
+            return None
+        data = np.asarray(tensor.data).view(np.uint8)
+        rows = _torch_shape(tensor)[0]
+        data = data.reshape(rows, -1)
+        heads = self._rope_heads(name)
+        if heads:  # whole rows move: a row's blocks stay as they are
+            data = data[_unpermute_rope_rows(np.arange(rows), heads)]
+        with warnings.catch_warnings():  # the map is read-only, and never written
+            warnings.simplefilter("ignore", UserWarning)
+            return int(tensor.tensor_type), torch.from_numpy(data)
 
     def _rows_per_piece(self, name: str) -> int:
         rows = super()._rows_per_piece(name)
