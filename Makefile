@@ -76,3 +76,9 @@ bench-gateway: install
 		.bench-litellm/bin/pip install -q "litellm[proxy]")
 	$(BIN)/python benchmarks/bench_gateway.py
 	$(BIN)/python benchmarks/bench_gateway.py --upstream-delay-ms 100
+	$(BIN)/python benchmarks/bench_gateway_startup.py
+
+# infire-gateway: the gateway alone, without the engine (gateway-dist/), into dist/
+.PHONY: gateway-wheel
+gateway-wheel: install
+	$(BIN)/python gateway-dist/build_wheel.py

@@ -13,7 +13,10 @@ request logged to SQLite with its cost); LiteLLM's proxy (`litellm --config`, `P
 `python3 -m venv .bench-litellm && .bench-litellm/bin/pip install 'litellm[proxy]'`).
 Non-streaming requests are timed to the whole answer, streamed ones to the first byte of
 the body; the added latency is the proxy's p50 (p99) minus the direct p50 (p99), at each
-concurrency. Results: benchmarks/results/gateway[-delay<N>ms].json and a chart (by default
+concurrency. With --before REV a fourth target, `infire gateway` of an earlier commit
+(its src/ from `git archive`, on the same interpreter), runs in the same rounds: a change
+is compared with what it replaced under the same conditions. Results:
+benchmarks/results/gateway[-delay<N>ms].json and a chart (by default
 docs/benchmarks-gateway[-delay<N>ms].png). `make bench-gateway` runs it with an upstream
 that answers at once and with one that waits 100 ms.
 """
@@ -48,6 +51,8 @@ LITELLM = ROOT / ".bench-litellm" / "bin" / "litellm"
 RESULTS = ROOT / "benchmarks" / "results"
 PROMPT = " ".join(f"word{i}" for i in range(48))  # echoed back: an answer of ~50 tokens
 TARGETS = ("direct", "infire", "litellm")
+PROXIES = ("before", "infire", "litellm")  # in the table's and the chart's order
+COLUMNS = {"before": "infire before", "infire": "infire", "litellm": "LiteLLM"}
 JSON = {"content-type": "application/json"}
 KEY = "sk-bench-0123456789abcdef"  # the infire gateway token and LiteLLM's master key
 
@@ -119,7 +124,10 @@ def _answer(target: Target) -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
-def _infire(upstream: FaultUpstream, folder: Path) -> ServerProcess:
+def _infire(upstream: FaultUpstream, folder: Path, src: Path | None = None) -> ServerProcess:
+    """`infire gateway` of this checkout, or (src) of another source tree."""
+    folder = folder / "before" if src else folder
+    folder.mkdir(exist_ok=True)
     config = folder / "gateway.toml"
     config.write_text(f"""
 [store]
@@ -141,7 +149,8 @@ output = 2.0
     command = [sys.executable, "-m", "infire.cli", "gateway", "--config", str(config),
                "--port", str(port)]  # fmt: skip
     return ServerProcess("infire gateway", command, port, f"http://127.0.0.1:{port}/health",
-                         log=folder / "infire-gateway.log")  # fmt: skip
+                         log=folder / "infire-gateway.log",
+                         env={"PYTHONPATH": str(src)} if src else None)  # fmt: skip
 
 
 def _litellm(upstream: FaultUpstream, folder: Path) -> ServerProcess:
@@ -196,15 +205,17 @@ def summarize(cells: dict[tuple[str, int, str], Samples]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: one line per (mode, concurrency), infire and LiteLLM side by side."""
-    lines = ["| mode | concurrency | direct p50 / p99 ms | infire added p50 / p99 ms | "
-             "LiteLLM added p50 / p99 ms | p50 overhead LiteLLM / infire |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    """Markdown: one line per (mode, concurrency), infire and LiteLLM side by side (and the
+    earlier infire first, when it ran)."""
+    names = [n for n in PROXIES if n != "before" or any(r["target"] == n for r in rows)]
+    lines = ["| mode | concurrency | direct p50 / p99 ms | "
+             + "".join(f"{COLUMNS[n]} added p50 / p99 ms | " for n in names)
+             + "p50 overhead LiteLLM / infire |", "|---" * (len(names) + 4) + "|"]  # fmt: skip
     by = {(r["mode"], r["concurrency"], r["target"]): r for r in rows}
     for mode, concurrency in sorted({(r["mode"], r["concurrency"]) for r in rows}):
         direct = by[(mode, concurrency, "direct")]
         cols = [mode, str(concurrency), f"{direct['p50_ms']:.2f} / {direct['p99_ms']:.2f}"]
-        for name in ("infire", "litellm"):
+        for name in names:
             r = by.get((mode, concurrency, name))
             cols.append(f"{r['added_p50_ms']:.2f} / {r['added_p99_ms']:.2f}" if r else "–")
         a, b = by.get((mode, concurrency, "infire")), by.get((mode, concurrency, "litellm"))
@@ -222,8 +233,10 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     cells = sorted({(r["mode"], r["concurrency"]) for r in rows})
-    names = [n for n in ("infire", "litellm") if any(r["target"] == n for r in rows)]
-    colors = {"infire": "#f97316", "litellm": "#6366f1"}
+    names = [n for n in PROXIES if any(r["target"] == n for r in rows)]
+    colors = {"before": "#94a3b8", "infire": "#f97316", "litellm": "#6366f1"}
+    labels = {"before": "infire gateway, earlier commit", "infire": "infire gateway",
+              "litellm": "LiteLLM proxy"}  # fmt: skip
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for ax, stat in zip(axes, ("p50", "p99"), strict=True):
         width = 0.8 / len(names)
@@ -235,8 +248,9 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
                 values.append(r[f"added_{stat}_ms"])
             xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(cells))]
             # a log scale has no room for "none measurable": those bars are drawn at 0.01
-            bars = ax.bar(xs, [max(v, 0.01) for v in values], width, color=colors[name],
-                          label="infire gateway" if name == "infire" else "LiteLLM proxy")  # fmt: skip
+            bars = ax.bar(
+                xs, [max(v, 0.01) for v in values], width, color=colors[name], label=labels[name]
+            )
             ax.bar_label(bars, labels=[f"{v:.2f}" if v > 0 else f"none ({v:.2f})"
                                        for v in values], fontsize=7, padding=2)  # fmt: skip
         ax.set_xticks(range(len(cells)), [f"{'stream TTFB' if m == 'stream' else 'whole answer'}"
@@ -260,6 +274,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5,
                         help="each cell is split into this many interleaved rounds")  # fmt: skip
     parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
+    parser.add_argument("--before", metavar="REV",
+                        help="also time `infire gateway` of this earlier commit")  # fmt: skip
     parser.add_argument("--upstream-delay-ms", type=int, default=0,
                         help="the upstream waits this long before each answer (0: at once)")  # fmt: skip
     parser.add_argument("--plot", type=Path, help="the chart (default docs/benchmarks-gateway"
@@ -281,43 +297,58 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     folder = RESULTS / "gateway-run"
     folder.mkdir(exist_ok=True)
-    servers: list[ServerProcess] = []
     with FaultUpstream(delay_ms=args.upstream_delay_ms) as upstream:
-        try:
-            targets = {"direct": Target("direct", f"{upstream.base_url}/chat/completions",
-                                        "fault-model")}  # fmt: skip
-            if "infire" in args.targets:
-                print("starting infire gateway ...", file=sys.stderr)
-                servers.append(_infire(upstream, folder))
-                targets["infire"] = Target(
-                    "infire", f"http://127.0.0.1:{servers[-1].port}/bench/compat/chat/completions",
-                    "up/fault-model")  # fmt: skip
-            if "litellm" in args.targets:
-                print("starting LiteLLM proxy (about a minute) ...", file=sys.stderr)
-                servers.append(_litellm(upstream, folder))
-                targets["litellm"] = Target(
-                    "litellm", f"http://127.0.0.1:{servers[-1].port}/v1/chat/completions",
-                    "fault-model")  # fmt: skip
-            answers = {name: _answer(t) for name, t in targets.items()}
-            if len(set(answers.values())) != 1:
-                raise RuntimeError(f"the targets answer differently: {answers}")
-            pids = [upstream.process.pid, *(s.pid for s in servers)]
-            cells = run(targets, args, pids)
-        finally:
-            for server in servers:
-                server.stop()
-    rows = summarize(cells)
+        cells = _measure(upstream, folder, args)
+    save(summarize(cells), cells, args, RESULTS / f"gateway{suffix}.json")
+
+
+def _measure(upstream: FaultUpstream, folder: Path,
+             args: argparse.Namespace) -> dict[tuple[str, int, str], Samples]:  # fmt: skip
+    """Start the targets, check that they answer alike, time them, stop them."""
+    servers: list[ServerProcess] = []
+    try:
+        targets = {"direct": Target("direct", f"{upstream.base_url}/chat/completions",
+                                    "fault-model")}  # fmt: skip
+        infires = [("infire", None)] if "infire" in args.targets else []
+        if args.before:
+            from bench_gateway_startup import unpack
+
+            infires.insert(0, ("before", unpack(args.before, folder)))
+        for name, src in infires:
+            print(f"starting infire gateway ({name}) ...", file=sys.stderr)
+            servers.append(_infire(upstream, folder, src))
+            targets[name] = Target(
+                name, f"http://127.0.0.1:{servers[-1].port}/bench/compat/chat/completions",
+                "up/fault-model")  # fmt: skip
+        if "litellm" in args.targets:
+            print("starting LiteLLM proxy (about a minute) ...", file=sys.stderr)
+            servers.append(_litellm(upstream, folder))
+            targets["litellm"] = Target(
+                "litellm", f"http://127.0.0.1:{servers[-1].port}/v1/chat/completions",
+                "fault-model")  # fmt: skip
+        answers = {name: _answer(t) for name, t in targets.items()}
+        if len(set(answers.values())) != 1:
+            raise RuntimeError(f"the targets answer differently: {answers}")
+        return run(targets, args, [upstream.process.pid, *(s.pid for s in servers)])
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def save(rows: list[dict], cells: dict[tuple[str, int, str], Samples],
+         args: argparse.Namespace, out: Path) -> None:  # fmt: skip
+    """The results as JSON, the table on stdout, the chart."""
     machine = f"{_cpu_name()}, {os.cpu_count()} cores"
     versions = _versions()
     upstream = (f"an upstream answering after {args.upstream_delay_ms} ms"
                 if args.upstream_delay_ms else "an upstream answering at once")  # fmt: skip
-    title = (f"infire gateway {versions['infire']} vs LiteLLM {versions['litellm']} proxy, "
-             f"{upstream}, {machine}")  # fmt: skip
+    before = f" (and at {args.before})" if args.before else ""
+    title = (f"infire gateway {versions['infire']}{before} vs LiteLLM {versions['litellm']} "
+             f"proxy, {upstream}, {machine}")  # fmt: skip
     saved = {"command": " ".join(sys.argv), "machine": machine, "versions": versions,
-             "upstream_delay_ms": args.upstream_delay_ms,
+             "upstream_delay_ms": args.upstream_delay_ms, "before": args.before,
              "title": title, "rows": rows,
              "samples_ms": {f"{m}/{c}/{n}": s.ms for (m, c, n), s in cells.items()}}  # fmt: skip
-    out = RESULTS / f"gateway{suffix}.json"
     out.write_text(json.dumps(saved, indent=1))
     print(table(rows))
     plot(rows, args.plot, title)

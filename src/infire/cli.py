@@ -1,8 +1,15 @@
-"""The `infire` command line: generate, chat, serve, compress, verify, inspect, bench serve."""
+"""The `infire` command line: generate, chat, serve, compress, verify, inspect, bench serve,
+gateway, balance.
+
+Each subcommand imports what it needs when it runs: `infire --help` and `infire gateway`
+never import torch, and the gateway's own distribution (infire-gateway, without the
+engine) ships this file for its `infire gateway`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import math
 import os
@@ -13,25 +20,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from infire.config import (
-    CacheConfig,
-    DisaggConfig,
-    EngineConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    resolve_dtype,
-)
-from infire.config import parse_size as config_size
-from infire.engine.engine import LLMEngine
 from infire.errors import InfireError, InvalidRequestError
-from infire.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from infire.catalog.config import Catalog
+    from infire.config import EngineConfig
+    from infire.engine.engine import LLMEngine
+    from infire.sampling_params import SamplingParams
 
 
 def parse_size(text: str) -> int:
     """Bytes from '536870912', '512MiB', '2G', '1.5GB' (binary units), for argparse."""
+    from infire.config import parse_size as config_size
+
     try:
         return config_size(text)
     except ValueError as e:
@@ -47,7 +48,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: auto)"
     )
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
-    group.add_argument("--kv-cache-memory", type=parse_size, default=parse_size("512MiB"),
+    group.add_argument("--kv-cache-memory", type=parse_size, default="512MiB",
                        help="memory for the paged KV cache (default: 512MiB)")  # fmt: skip
     group.add_argument(
         "--block-size", type=int, default=16, help="tokens per KV block (default: 16)"
@@ -95,6 +96,14 @@ def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    from infire.config import (
+        CacheConfig,
+        DisaggConfig,
+        EngineConfig,
+        ParallelConfig,
+        SchedulerConfig,
+    )
+
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -122,6 +131,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    from infire.sampling_params import SamplingParams
+
     return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -135,6 +146,8 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def _load(args: argparse.Namespace) -> LLMEngine:
+    from infire.engine.engine import LLMEngine
+
     start = time.perf_counter()
     print(f"infire: loading {args.model or 'the default model (SmolLM2-135M-Instruct)'}",
           file=sys.stderr)  # fmt: skip
@@ -223,6 +236,7 @@ def _chat(engine: LLMEngine, args: argparse.Namespace) -> int:
 def worker_only(args: argparse.Namespace) -> int | None:
     """On a host other than node 0, or as a torchrun rank other than 0: run the ranks
     here until rank 0 stops them (their exit status); None on rank 0."""
+    from infire.config import resolve_dtype
     from infire.engine import worker
 
     config = _engine_config(args)
@@ -590,7 +604,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "default: 0.5)")  # fmt: skip
     serve.add_argument("--max-waiting", type=int, default=256,
                        help="answer 429 while this many sequences wait (default: 256)")  # fmt: skip
-    serve.add_argument("--max-body-bytes", type=parse_size, default=parse_size("4MiB"),
+    serve.add_argument("--max-body-bytes", type=parse_size, default="4MiB",
                        help="largest request body, else 413 (default: 4MiB)")  # fmt: skip
     serve.add_argument("--no-access-log", action="store_true", help="no JSON line per request")
     serve.add_argument(
@@ -676,11 +690,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `infire` console script."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
     try:
+        args = parser.parse_args(argv)  # in the try: parsing sizes imports the engine config
         return args.func(args)
     except (InfireError, ValueError) as e:  # ValueError: a config's own checks
         print(f"infire: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        if importlib.util.find_spec("infire.engine") is not None:
+            raise  # a full install missing a module: the traceback says which
+        print(f"infire: error: this command needs the engine, which this install "
+              f"(infire-gateway: the gateway alone) does not have ({e.name} is missing); "
+              "pip install infire for every command", file=sys.stderr)  # fmt: skip
         return 2
 
 

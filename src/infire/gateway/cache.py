@@ -1,5 +1,6 @@
 """The response cache: exact matches, in SQLite (one instance) or Redis (several).
 
+Which of the two is chosen once, for the cache and the rate limits together (backends.py).
 The key is a SHA-256 over the gateway, provider, endpoint, model, a hash of the client's
 credentials and the canonical JSON of the body (keys sorted, no spaces), or over the
 gateway and the client's own `cf-aig-cache-key`. An entry is the answer exactly as the
@@ -91,12 +92,11 @@ class SqliteBackend:
 
 
 class RedisBackend:
-    """Entries as Redis strings with a TTL (shared by every gateway on that Redis)."""
+    """Entries as Redis strings with a TTL (shared by every gateway on that Redis). The
+    client is backends.Backends', which closes it."""
 
-    def __init__(self, url: str) -> None:
-        import redis.asyncio
-
-        self._redis = redis.asyncio.from_url(url)
+    def __init__(self, client: Any) -> None:  # redis.asyncio.Redis
+        self._redis = client
 
     async def get(self, key: str) -> Entry | None:
         value = await self._redis.get(f"infire:cache:{key}")
@@ -106,14 +106,7 @@ class RedisBackend:
         await self._redis.set(f"infire:cache:{key}", entry.encode(), px=max(1, int(ttl_s * 1000)))
 
     async def close(self) -> None:
-        await self._redis.aclose()
-
-
-def open_backend(url: str | None, sqlite_path: Path) -> Backend:
-    """Redis for a redis:// URL, else the SQLite file."""
-    if url and url.startswith(("redis://", "rediss://", "unix://")):
-        return RedisBackend(url)
-    return SqliteBackend(sqlite_path)
+        pass  # the shared client is closed by its owner
 
 
 def cache_key(parts: dict[str, Any], body: bytes) -> str:

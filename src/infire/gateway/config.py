@@ -58,6 +58,7 @@ BACKOFFS = ("constant", "linear", "exponential")
 MAX_ATTEMPTS = 5
 RESERVED = ("compat", "analytics", "logs")  # path words the routes use after {gateway}
 RESERVED_GATEWAYS = ("dashboard", "metrics", "health")  # the gateway's own routes
+_SECTIONS = ("circuit_breaker", "gateways", "prices", "providers", "server", "store", "tokens")
 
 
 class ConfigError(InfireError):
@@ -155,150 +156,182 @@ def load_config(path: Path) -> GatewayConfig:
 
 def parse_config(raw: dict[str, Any], path: Path) -> GatewayConfig:
     """A GatewayConfig from parsed TOML (path: where relative paths start, and for errors)."""
-
-    def fail(key: str, problem: str) -> ConfigError:
-        return ConfigError(f"{path}: {key}: {problem}")
-
-    def table(key: str, value: Any) -> dict[str, Any]:
-        if not isinstance(value, dict):
-            raise fail(key, "must be a table")
-        return value
-
-    def number(key: str, value: Any, low: float, high: float | None = None) -> Any:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise fail(key, f"must be a number, not {value!r}")
-        if value < low or (high is not None and value > high):
-            raise fail(key, f"{value} is out of range ({low} to {high or 'any'})")
-        return value
-
-    def digest(key: str, value: Any) -> str:
-        if not isinstance(value, str) or len(value) != 64 or not all(
-                c in "0123456789abcdef" for c in value.lower()):  # fmt: skip
-            raise fail(key, "must be the token's SHA-256 in hex (64 characters): "
-                       'printf %s "$TOKEN" | sha256sum')  # fmt: skip
-        return value.lower()
-
-    known = {"store", "gateways", "providers", "prices", "circuit_breaker", "server", "tokens"}
-
-    def limits(key: str, value: Any) -> tuple[Limit, ...]:
-        if not isinstance(value, list):
-            raise fail(key, "must be a list of {kind, limit, window_s, technique}")
-        found = []
-        for i, spec in enumerate(value):
-            spec = table(f"{key}[{i}]", spec)
-            kind, technique = spec.get("kind"), spec.get("technique", "fixed")
-            if kind not in LIMIT_KINDS:
-                raise fail(f"{key}[{i}].kind", f"{kind!r} is not one of {', '.join(LIMIT_KINDS)}")
-            if technique not in TECHNIQUES:
-                raise fail(f"{key}[{i}].technique",
-                           f"{technique!r} is not one of {', '.join(TECHNIQUES)}")  # fmt: skip
-            unknown = set(spec) - {"kind", "limit", "window_s", "technique"}
-            if unknown:
-                raise fail(f"{key}[{i}]", f"unknown keys {sorted(unknown)}")
-            found.append(Limit(kind, int(number(f"{key}[{i}].limit", spec.get("limit"), 1)),
-                               float(number(f"{key}[{i}].window_s", spec.get("window_s"), 0.001)),
-                               technique))  # fmt: skip
-        return tuple(found)
-
+    check = _Checks(path)
     for key in raw:
-        if key not in known:
-            raise fail(key, f"unknown section (expected one of {', '.join(sorted(known))})")
-    providers = {}
-    for name, spec in table("providers", raw.get("providers", {})).items():
-        spec = table(f"providers.{name}", spec)
-        key = f"providers.{name}"
-        if name in RESERVED:
-            raise fail(key, f"{name!r} is reserved for a route")
-        kind = spec.get("kind")
-        if kind not in KINDS:
-            raise fail(f"{key}.kind", f"{kind!r} is not one of {', '.join(KINDS)}")
-        base = spec.get("base_url")
-        if not isinstance(base, str) or not base.startswith(("http://", "https://")):
-            raise fail(f"{key}.base_url", "must be an http:// or https:// URL")
-        env = spec.get("api_key_env")
-        if env is not None and not isinstance(env, str):
-            raise fail(f"{key}.api_key_env", "must be the name of an environment variable")
-        unknown = set(spec) - {"kind", "base_url", "api_key_env"}
-        if unknown:
-            raise fail(key, f"unknown keys {sorted(unknown)}")
-        providers[name] = Provider(name, kind, base.rstrip("/"), env)
-    if not providers:
-        raise fail("providers", "at least one provider is needed")
-    gateways = {}
-    for name, spec in table("gateways", raw.get("gateways", {})).items():
-        key = f"gateways.{name}"
-        spec = table(key, spec)
-        if name in RESERVED_GATEWAYS:
-            raise fail(key, f"{name!r} is reserved for a route")
-        unknown = set(spec) - {"request_timeout_ms", "max_attempts", "retry_delay_ms", "backoff",
-                               "cache_ttl_s", "authentication", "limits"}  # fmt: skip
-        if unknown:
-            raise fail(key, f"unknown keys {sorted(unknown)}")
-        backoff = spec.get("backoff", "constant")
-        if backoff not in BACKOFFS:
-            raise fail(f"{key}.backoff", f"{backoff!r} is not one of {', '.join(BACKOFFS)}")
-        retry = Retry(
-            int(number(f"{key}.max_attempts", spec.get("max_attempts", 1), 1, MAX_ATTEMPTS)),
-            int(number(f"{key}.retry_delay_ms", spec.get("retry_delay_ms", 0), 0)),
-            backoff,
-        )
-        timeout = int(
-            number(f"{key}.request_timeout_ms", spec.get("request_timeout_ms", 60_000), 1)
-        )
-        ttl = int(number(f"{key}.cache_ttl_s", spec.get("cache_ttl_s", 0), 0))
-        authentication = spec.get("authentication", False)
-        if not isinstance(authentication, bool):
-            raise fail(f"{key}.authentication", "must be true or false")
-        gateways[name] = Gateway(name, timeout, retry, ttl, authentication,
-                                 limits(f"{key}.limits", spec.get("limits", [])))  # fmt: skip
-    if not gateways:
-        raise fail("gateways", "at least one gateway is needed, e.g. [gateways.default]")
-    prices = {}
-    for name, spec in table("prices", raw.get("prices", {})).items():
-        key = f"prices.{name}"
-        spec = table(key, spec)
-        if "/" not in name:
-            raise fail(key, "name it provider/model")
-        prices[name] = Price(float(number(f"{key}.input", spec.get("input", 0), 0)),
-                             float(number(f"{key}.output", spec.get("output", 0), 0)))  # fmt: skip
-    store = table("store", raw.get("store", {}))
+        if key not in _SECTIONS:
+            raise check.fail(key, f"unknown section (expected one of {', '.join(_SECTIONS)})")
+    providers = _providers(check, check.table("providers", raw.get("providers", {})))
+    gateways = _gateways(check, check.table("gateways", raw.get("gateways", {})))
+    prices = _prices(check, check.table("prices", raw.get("prices", {})))
+    store = check.table("store", raw.get("store", {}))
     store_path = Path(store.get("path", "gateway.db"))
     if not store_path.is_absolute():
         store_path = path.parent / store_path
-    breaker = table("circuit_breaker", raw.get("circuit_breaker", {}))
-    server = table("server", raw.get("server", {}))
+    breaker = check.table("circuit_breaker", raw.get("circuit_breaker", {}))
+    server = check.table("server", raw.get("server", {}))
     redis_url = store.get("redis_url")
     if redis_url is not None and (not isinstance(redis_url, str) or not redis_url.startswith(
             ("redis://", "rediss://", "unix://"))):  # fmt: skip
-        raise fail("store.redis_url", "must be a redis:// URL (leave it out for SQLite only)")
-    tokens = {}
-    for name, spec in table("tokens", raw.get("tokens", {})).items():
-        key = f"tokens.{name}"
-        spec = table(key, spec)
-        sha256 = digest(f"{key}.sha256", spec.get("sha256"))
-        allowed = spec.get("gateways", [])
-        if not isinstance(allowed, list) or any(g not in gateways for g in allowed):
-            raise fail(f"{key}.gateways", f"must list configured gateways ({', '.join(gateways)})")
-        unknown = set(spec) - {"sha256", "gateways", "limits"}
-        if unknown:
-            raise fail(key, f"unknown keys {sorted(unknown)}")
-        tokens[sha256] = Token(name, sha256, tuple(allowed),
-                                       limits(f"{key}.limits", spec.get("limits", [])))  # fmt: skip
-    unknown = set(server) - {"max_body_bytes", "admin_sha256"}
-    if unknown:
-        raise fail("server", f"unknown keys {sorted(unknown)}")
-    admin = server.get("admin_sha256")
-    if admin is not None:
-        admin = digest("server.admin_sha256", admin)
-    for name, gateway in gateways.items():
-        if gateway.authentication and admin is None:
-            raise fail(f"gateways.{name}.authentication",
-                       "a gateway with authentication needs [server] admin_sha256, so that "
-                       "its logs and analytics are not open to anyone")  # fmt: skip
+        raise check.fail("store.redis_url", "must be a redis:// URL (leave it out for SQLite only)")
+    tokens = _tokens(check, check.table("tokens", raw.get("tokens", {})), gateways)
+    admin = _admin_sha256(check, server, gateways)
     return GatewayConfig(
         providers, gateways, store_path, prices,
-        int(number("server.max_body_bytes", server.get("max_body_bytes", 4 * 1024**2), 1)),
-        int(number("circuit_breaker.failures", breaker.get("failures", 5), 1)),
-        float(number("circuit_breaker.cooldown_s", breaker.get("cooldown_s", 30.0), 0)),
+        int(check.number("server.max_body_bytes", server.get("max_body_bytes", 4 * 1024**2), 1)),
+        int(check.number("circuit_breaker.failures", breaker.get("failures", 5), 1)),
+        float(check.number("circuit_breaker.cooldown_s", breaker.get("cooldown_s", 30.0), 0)),
         redis_url, tokens, admin,
     )  # fmt: skip
+
+
+class _Checks:
+    """The checks of one file's values; each error names the file and the key."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, key: str, problem: str) -> ConfigError:
+        return ConfigError(f"{self.path}: {key}: {problem}")
+
+    def table(self, key: str, value: Any) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise self.fail(key, "must be a table")
+        return value
+
+    def known(self, key: str, spec: dict[str, Any], keys: set[str]) -> None:
+        unknown = set(spec) - keys
+        if unknown:
+            raise self.fail(key, f"unknown keys {sorted(unknown)}")
+
+    def number(self, key: str, value: Any, low: float, high: float | None = None) -> Any:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.fail(key, f"must be a number, not {value!r}")
+        if value < low or (high is not None and value > high):
+            raise self.fail(key, f"{value} is out of range ({low} to {high or 'any'})")
+        return value
+
+    def digest(self, key: str, value: Any) -> str:
+        if not isinstance(value, str) or len(value) != 64 or not all(
+                c in "0123456789abcdef" for c in value.lower()):  # fmt: skip
+            raise self.fail(key, "must be the token's SHA-256 in hex (64 characters): "
+                            'printf %s "$TOKEN" | sha256sum')  # fmt: skip
+        return value.lower()
+
+    def limits(self, key: str, value: Any) -> tuple[Limit, ...]:
+        if not isinstance(value, list):
+            raise self.fail(key, "must be a list of {kind, limit, window_s, technique}")
+        return tuple(self.limit(f"{key}[{i}]", spec) for i, spec in enumerate(value))
+
+    def limit(self, key: str, spec: Any) -> Limit:
+        spec = self.table(key, spec)
+        kind, technique = spec.get("kind"), spec.get("technique", "fixed")
+        if kind not in LIMIT_KINDS:
+            raise self.fail(f"{key}.kind", f"{kind!r} is not one of {', '.join(LIMIT_KINDS)}")
+        if technique not in TECHNIQUES:
+            raise self.fail(f"{key}.technique",
+                            f"{technique!r} is not one of {', '.join(TECHNIQUES)}")  # fmt: skip
+        self.known(key, spec, {"kind", "limit", "window_s", "technique"})
+        return Limit(kind, int(self.number(f"{key}.limit", spec.get("limit"), 1)),
+                     float(self.number(f"{key}.window_s", spec.get("window_s"), 0.001)),
+                     technique)  # fmt: skip
+
+
+def _providers(check: _Checks, section: dict[str, Any]) -> dict[str, Provider]:
+    providers = {}
+    for name, spec in section.items():
+        key = f"providers.{name}"
+        spec = check.table(key, spec)
+        if name in RESERVED:
+            raise check.fail(key, f"{name!r} is reserved for a route")
+        kind = spec.get("kind")
+        if kind not in KINDS:
+            raise check.fail(f"{key}.kind", f"{kind!r} is not one of {', '.join(KINDS)}")
+        base = spec.get("base_url")
+        if not isinstance(base, str) or not base.startswith(("http://", "https://")):
+            raise check.fail(f"{key}.base_url", "must be an http:// or https:// URL")
+        env = spec.get("api_key_env")
+        if env is not None and not isinstance(env, str):
+            raise check.fail(f"{key}.api_key_env", "must be the name of an environment variable")
+        check.known(key, spec, {"kind", "base_url", "api_key_env"})
+        providers[name] = Provider(name, kind, base.rstrip("/"), env)
+    if not providers:
+        raise check.fail("providers", "at least one provider is needed")
+    return providers
+
+
+def _gateways(check: _Checks, section: dict[str, Any]) -> dict[str, Gateway]:
+    gateways = {name: _gateway(check, name, spec) for name, spec in section.items()}
+    if not gateways:
+        raise check.fail("gateways", "at least one gateway is needed, e.g. [gateways.default]")
+    return gateways
+
+
+def _gateway(check: _Checks, name: str, spec: Any) -> Gateway:
+    key = f"gateways.{name}"
+    spec = check.table(key, spec)
+    if name in RESERVED_GATEWAYS:
+        raise check.fail(key, f"{name!r} is reserved for a route")
+    check.known(key, spec, {"request_timeout_ms", "max_attempts", "retry_delay_ms", "backoff",
+                            "cache_ttl_s", "authentication", "limits"})  # fmt: skip
+    backoff = spec.get("backoff", "constant")
+    if backoff not in BACKOFFS:
+        raise check.fail(f"{key}.backoff", f"{backoff!r} is not one of {', '.join(BACKOFFS)}")
+    retry = Retry(
+        int(check.number(f"{key}.max_attempts", spec.get("max_attempts", 1), 1, MAX_ATTEMPTS)),
+        int(check.number(f"{key}.retry_delay_ms", spec.get("retry_delay_ms", 0), 0)),
+        backoff,
+    )
+    timeout = int(
+        check.number(f"{key}.request_timeout_ms", spec.get("request_timeout_ms", 60_000), 1)
+    )
+    ttl = int(check.number(f"{key}.cache_ttl_s", spec.get("cache_ttl_s", 0), 0))
+    authentication = spec.get("authentication", False)
+    if not isinstance(authentication, bool):
+        raise check.fail(f"{key}.authentication", "must be true or false")
+    return Gateway(name, timeout, retry, ttl, authentication,
+                   check.limits(f"{key}.limits", spec.get("limits", [])))  # fmt: skip
+
+
+def _prices(check: _Checks, section: dict[str, Any]) -> dict[str, Price]:
+    prices = {}
+    for name, spec in section.items():
+        key = f"prices.{name}"
+        spec = check.table(key, spec)
+        if "/" not in name:
+            raise check.fail(key, "name it provider/model")
+        prices[name] = Price(float(check.number(f"{key}.input", spec.get("input", 0), 0)),
+                             float(check.number(f"{key}.output", spec.get("output", 0), 0)))  # fmt: skip
+    return prices
+
+
+def _tokens(check: _Checks, section: dict[str, Any],
+            gateways: dict[str, Gateway]) -> dict[str, Token]:  # fmt: skip
+    """The gateway tokens, by SHA-256."""
+    tokens = {}
+    for name, spec in section.items():
+        key = f"tokens.{name}"
+        spec = check.table(key, spec)
+        sha256 = check.digest(f"{key}.sha256", spec.get("sha256"))
+        allowed = spec.get("gateways", [])
+        if not isinstance(allowed, list) or any(g not in gateways for g in allowed):
+            raise check.fail(f"{key}.gateways",
+                             f"must list configured gateways ({', '.join(gateways)})")  # fmt: skip
+        check.known(key, spec, {"sha256", "gateways", "limits"})
+        tokens[sha256] = Token(name, sha256, tuple(allowed),
+                               check.limits(f"{key}.limits", spec.get("limits", [])))  # fmt: skip
+    return tokens
+
+
+def _admin_sha256(check: _Checks, server: dict[str, Any],
+                  gateways: dict[str, Gateway]) -> str | None:  # fmt: skip
+    """[server] admin_sha256, required when a gateway has authentication."""
+    check.known("server", server, {"max_body_bytes", "admin_sha256"})
+    admin = server.get("admin_sha256")
+    if admin is not None:
+        admin = check.digest("server.admin_sha256", admin)
+    for name, gateway in gateways.items():
+        if gateway.authentication and admin is None:
+            raise check.fail(f"gateways.{name}.authentication",
+                             "a gateway with authentication needs [server] admin_sha256, so "
+                             "that its logs and analytics are not open to anyone")  # fmt: skip
+    return admin

@@ -18,7 +18,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from infire.gateway.store import connect
 
@@ -176,12 +176,11 @@ return {0, tostring(window)}
 
 
 class RedisCounters:
-    """Counters in Redis, shared by every gateway instance on it."""
+    """Counters in Redis, shared by every gateway instance on it. The client is
+    backends.Backends', which closes it."""
 
-    def __init__(self, url: str) -> None:
-        import redis.asyncio
-
-        self._redis = redis.asyncio.from_url(url)
+    def __init__(self, client: Any) -> None:  # redis.asyncio.Redis
+        self._redis = client
         self._fixed = self._redis.register_script(_FIXED)
         self._sliding = self._redis.register_script(_SLIDING)
 
@@ -210,11 +209,4 @@ class RedisCounters:
             await self._redis.hincrby(f"infire:limit:{key}:amounts", admission.event, delta)
 
     async def close(self) -> None:
-        await self._redis.aclose()
-
-
-def open_counters(url: str | None, sqlite_path: Path) -> Counters:
-    """Redis for a redis:// URL, else the SQLite file."""
-    if url and url.startswith(("redis://", "rediss://", "unix://")):
-        return RedisCounters(url)
-    return SqliteCounters(sqlite_path)
+        pass  # the shared client is closed by its owner

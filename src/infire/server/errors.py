@@ -1,25 +1,24 @@
-"""The one place where errors become HTTP responses.
+"""The one place where the engine's errors become HTTP responses.
 
 OpenAI routes answer `{"error": {"message", "type", "param", "code"}}`; Workers AI routes
 (`/ai/...`) answer their envelope `{"result": null, "success": false, "errors": [...]}`,
 whose code is the HTTP status except where Workers AI has its own: 5007 (no such model,
-HTTP 400) and 3040 (capacity temporarily exceeded, HTTP 429 with Retry-After).
-A response never carries a stack trace: unexpected exceptions are logged and answered 500.
+HTTP 400) and 3040 (capacity temporarily exceeded, HTTP 429 with Retry-After). The shapes,
+and the answer to anything else (HTTPException by its status, a logged 500), come from
+infire.http_errors, which the gateway shares without the engine; this module adds the
+engine's exceptions and request validation.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException
 
+from infire import http_errors
 from infire.catalog.manager import CapacityError
 from infire.errors import (
     ContextLengthError,
@@ -29,36 +28,15 @@ from infire.errors import (
     ModelNotFoundError,
     ServerOverloadedError,
 )
+from infire.http_errors import APIError, json_error, json_object
 
-logger = logging.getLogger("infire.server")
+__all__ = ["APIError", "error_body", "error_response", "json_object", "parse_body",
+           "to_api_error"]  # fmt: skip
 M = TypeVar("M", bound=BaseModel)
-
-
-@dataclass
-class APIError(Exception):
-    """An error answer: HTTP status, OpenAI type and code, message, offending field."""
-
-    status: int
-    message: str
-    type: str = "invalid_request_error"
-    code: str | None = None
-    param: str | None = None
-    workers_ai_code: int | None = None  # the envelope's code where it is not the status
-    headers: dict[str, str] | None = None
-
-    def body(self, workers_ai: bool = False) -> dict:
-        """The JSON body in the API's shape."""
-        if workers_ai:
-            error = {"code": self.workers_ai_code or self.status, "message": self.message}
-            return {"result": None, "success": False, "errors": [error], "messages": []}
-        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return {"error": error}
 
 
 def to_api_error(exc: BaseException) -> APIError:
     """Map any exception to the answer a client gets."""
-    if isinstance(exc, APIError):
-        return exc
     if isinstance(exc, ModelNotFoundError):
         return APIError(404, str(exc), code="model_not_found", param="model")
     if isinstance(exc, ContextLengthError):
@@ -76,11 +54,7 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(502, str(exc), type="server_error", code="kv_transfer_failed")
     if isinstance(exc, RequestValidationError | ValidationError):
         return _validation_error(exc)
-    if isinstance(exc, HTTPException):
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind)
-    logger.exception("internal error", exc_info=exc)
-    return APIError(500, "internal server error", type="server_error")
+    return http_errors.to_api_error(exc)
 
 
 def _validation_error(exc: RequestValidationError | ValidationError) -> APIError:
@@ -101,17 +75,6 @@ async def parse_body(request: Request, model: type[M]) -> M:
     return model.model_validate(json_object(await request.body()))
 
 
-def json_object(raw: bytes) -> dict:
-    """A request body that must be a JSON object; 400 (invalid_json) when it is not."""
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "request body must be a JSON object", code="invalid_json")
-    return data
-
-
 def error_body(exc: BaseException, workers_ai: bool = False) -> dict:
     """The error body for exc (also sent as an event when a stream breaks off)."""
     return to_api_error(exc).body(workers_ai)
@@ -123,4 +86,4 @@ def error_response(request: Request, exc: BaseException) -> JSONResponse:
     workers_ai = request.url.path.startswith("/ai/")
     if workers_ai and isinstance(exc, ModelNotFoundError):
         error = APIError(400, str(exc), param="model", workers_ai_code=5007)
-    return JSONResponse(error.body(workers_ai), status_code=error.status, headers=error.headers)
+    return json_error(error, workers_ai)
