@@ -51,10 +51,12 @@ def smollm2_reference(smollm2_path: Path):
 
 @pytest.fixture(scope="session")
 def smollm2_llm():
-    """The default model served by infire in float32 (shared: loading takes seconds)."""
+    """The default model served by infire in float32, its GGUF dequantized (the weights
+    transformers loads from it: the parity reference), shared: loading takes seconds. The
+    file served as its blocks is tests/kernels/test_gguf_serving.py's."""
     from infire import LLM
 
-    return LLM(dtype="float32", num_blocks=256)
+    return LLM(dtype="float32", num_blocks=256, quantization="none")
 
 
 @pytest.fixture(scope="session")

@@ -130,10 +130,13 @@ def write_gguf(
     arch: str,
     metadata: dict[str, Any],
     tensors: dict[str, np.ndarray],
-    quantize: tuple[str, ...] = (),
+    quantize: tuple[str, ...] | dict[str, gguf.GGMLQuantizationType] = (),
 ) -> Path:
-    """Write `tensors` (llama.cpp names; float32, or Q8_0 for names in `quantize`) with
-    `metadata` and the folder's tokenizer as a GGUF file of architecture `arch`."""
+    """Write `tensors` (llama.cpp names; float32, or quantized for names in `quantize`: Q8_0
+    for a tuple of names, each its own type for a dict; a uint8 tensor is taken as blocks
+    of its name's type) with `metadata` and the folder's tokenizer as a GGUF file of
+    architecture `arch`."""
+    types = quantize if isinstance(quantize, dict) else dict.fromkeys(quantize, Q8_0)
     folder = Path(folder)
     config = hf_config(folder)
     writer = gguf.GGUFWriter(str(out), arch)
@@ -142,10 +145,13 @@ def write_gguf(
         writer.add_key_value(key, value, _value_type(value), _sub_type(value))
     _add_tokenizer(writer, folder, config)
     for name, tensor in tensors.items():
+        if tensor.dtype == np.uint8:  # blocks already in types[name]'s layout
+            writer.add_tensor(name, np.ascontiguousarray(tensor), raw_dtype=types[name])
+            continue
         tensor = np.ascontiguousarray(tensor, dtype=np.float32)
-        if name in quantize:
-            kind = gguf.GGMLQuantizationType.Q8_0
-            writer.add_tensor(name, gguf.quants.quantize(tensor, kind), raw_dtype=kind)
+        if name in types:
+            kind = types[name]
+            writer.add_tensor(name, quantize_as(tensor, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, tensor)
     writer.write_header_to_file()
@@ -153,6 +159,22 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+
+
+def quantize_as(values: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
+    """[rows, cols] float32 as `kind`'s blocks: the gguf package's quantizer for the legacy
+    types, the tests' own (kquants.py) for the K-quants."""
+    from kquants import K_TYPES
+    from kquants import quantize as quantize_k
+
+    if kind in K_TYPES:
+        return quantize_k(values.reshape(-1, values.shape[-1]), kind).reshape(
+            *values.shape[:-1], -1
+        )
+    return gguf.quants.quantize(values, kind)
 
 
 def _value_type(value: Any) -> gguf.GGUFValueType:

@@ -11,6 +11,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 QK_K = 256
+K_TYPES = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
 
 
 def quantize(values: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:

@@ -47,6 +47,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: auto)"
     )
+    group.add_argument(
+        "--quantization", default="auto", choices=("auto", "none"),
+        help="a quantized GGUF: auto serves its blocks as they are (Q4_K, Q6_K, Q8_0, ...) "
+        "where the fused CPU forward runs the model; none dequantizes to --dtype "
+        "(default: auto)",
+    )  # fmt: skip
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     group.add_argument("--kv-cache-memory", type=parse_size, default="512MiB",
                        help="memory for the paged KV cache (default: 512MiB)")  # fmt: skip
@@ -109,6 +115,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         device=args.device,
         cpu_kernels=not args.no_cpu_kernels,
+        quantization=args.quantization,
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory,
@@ -537,8 +544,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    """Per-tensor and total sizes of an Unweight folder."""
-
+    """Per-tensor and total sizes of an Unweight folder; a GGUF file's tensor types and the
+    memory its weights take served."""
+    if Path(args.path).is_file():
+        return _inspect_gguf(Path(args.path))
     from infire.unweight.container import inspect_rows, load
 
     rows = list(inspect_rows(load(Path(args.path))))
@@ -562,6 +571,28 @@ def cmd_inspect(args: argparse.Namespace) -> int:
           f"{size / 1e6:.1f} MB, {size * 8 / max(1, weights):.3f} bits/weight, ratio "
           f"{size / max(1, original):.4f}; exponent-entropy bound of the coded tensors "
           f"{bound_bytes / max(1, bound_original):.4f}")  # fmt: skip
+    return 0
+
+
+def _inspect_gguf(path: Path) -> int:
+    import torch
+
+    from infire.errors import InfireError
+    from infire.models.loader import load_model, weight_bytes
+
+    try:
+        loaded = load_model(path, torch.bfloat16)  # headers and metadata only
+    except InfireError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"{'type':<8} {'tensors':>8} {'weights':>14} {'MB':>10} {'bits/w':>7}")
+    for kind, count, weights, size in loaded.weights.type_counts():
+        print(f"{kind:<8} {count:8d} {weights:14d} {size / 1e6:10.1f} {size * 8 / weights:7.3f}")
+    blocks = weight_bytes(loaded, torch.bfloat16, "auto")
+    plain = weight_bytes(loaded, torch.bfloat16, "none")
+    print(f"resident weights: {blocks / 1e6:.1f} MB served as GGUF blocks (--quantization "
+          f"auto, one rank), {plain / 1e6:.1f} MB dequantized to bfloat16; add the KV cache "
+          f"(--kv-cache-memory)")  # fmt: skip
     return 0
 
 
@@ -650,9 +681,10 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--against", help="the original folder or GGUF to compare with")
     verify.set_defaults(func=cmd_verify)
     inspect = commands.add_parser(
-        "inspect", help="Unweight: sizes, ratios and entropy bounds per tensor"
+        "inspect", help="Unweight: sizes, ratios and entropy bounds per tensor; GGUF: tensor "
+        "types and resident size"
     )
-    inspect.add_argument("path", help="compressed folder")
+    inspect.add_argument("path", help="compressed folder, or a .gguf file")
     inspect.set_defaults(func=cmd_inspect)
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(
         dest="bench_command", required=True

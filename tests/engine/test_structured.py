@@ -115,9 +115,8 @@ def test_preemption_and_chunked_prefill_keep_the_grammar(smollm2_llm: LLM) -> No
     asks = [[{"role": "user", "content": f"Describe person number {i} as JSON."}] for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=160, structured_output={"json": SCHEMA})
     alone = [smollm2_llm.chat([ask], params)[0].outputs[0].text for ask in asks]
-    small = LLM(
-        dtype="float32", num_blocks=14, max_num_batched_tokens=24, enable_prefix_caching=False
-    )
+    small = LLM(dtype="float32", num_blocks=14, max_num_batched_tokens=24,
+                enable_prefix_caching=False, quantization="none")  # as smollm2_llm  # fmt: skip
     try:
         together = [o.outputs[0].text for o in small.chat(asks, params)]
         assert small.engine.stats.num_preemptions > 0

@@ -1,6 +1,7 @@
 """GGUF blocks in the fused forward's kernel: every type decodes to exactly the values of
 the `gguf` package's dequantize (the reference), and the kernel's products equal NumPy's
-on those values within float32 summation error, whatever the batch."""
+of the same arithmetic (int8 activations per 32 values for the quantized types) within
+float32 rounding, bit for bit the same whatever the batch."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
-from infire.kernels.cpu_forward import QuantWeight, available, dequantize_rows, quant_linear
+from infire.kernels.cpu_forward import (
+    QuantWeight,
+    available,
+    dequantize_rows,
+    quant_isa,
+    quant_linear,
+)
 from kquants import quantize as quantize_k
 
 pytestmark = pytest.mark.skipif(not available(), reason="no fused CPU kernel here")
@@ -38,7 +45,9 @@ def weight(values: np.ndarray, qtype: T) -> tuple[QuantWeight, np.ndarray]:
     """The QuantWeight of `values` in `qtype`, and the reference's decoded values."""
     packed = blocks(values, qtype)
     reference = dequantize(packed, qtype).reshape(values.shape).astype(np.float32)
-    return QuantWeight([(int(qtype), torch.from_numpy(np.ascontiguousarray(packed)))]), reference
+    return QuantWeight(
+        [(int(qtype), torch.from_numpy(np.ascontiguousarray(packed)), None)]
+    ), reference
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -53,42 +62,80 @@ def test_every_type_decodes_to_the_reference_bit_for_bit(qtype: T) -> None:
     assert np.array_equal(dequantize_rows(w, 7, 3, 512).numpy(), reference[7:10])
 
 
-# |kernel - float64 reference| <= TOLERANCE * sum_k |w_k x_k|: float32 accumulation over
-# 512 products (the kernel's 8-lane partial sums and their reduction), whatever the type
-TOLERANCE = 512 * np.finfo(np.float32).eps
+def quantized_activations(x: np.ndarray) -> np.ndarray:
+    """x as the kernel quantizes it, per 32 values: codes rint(x / d), d = max|x| / 127
+    (float32 arithmetic, as the kernel's), returned as d * code."""
+    blocks = x.reshape(len(x), -1, 32).astype(np.float32)
+    d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    codes = np.rint(blocks * inverse)
+    return (codes.astype(np.float64) * d).reshape(x.shape)
+
+
+# |kernel - float64 reference| <= TOLERANCE * sum_k |w_k x_k|: float32 rounding of the
+# per-block scales and of the running sum over 512 products
+TOLERANCE = 64 * np.finfo(np.float32).eps
+
+
+def isas() -> list[str]:
+    """The instruction sets this CPU runs the products with (AVX2 always)."""
+    best = quant_isa()
+    return ["avx2"] if best == "avx2" else ["avx2", best]
+
+
+@pytest.fixture(params=isas())
+def isa(request: pytest.FixtureRequest):
+    assert quant_isa(request.param) == request.param
+    yield request.param
+    quant_isa()  # back to the best
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_products_match_numpy_and_do_not_depend_on_the_batch(qtype: T) -> None:
+def test_products_match_numpy_and_do_not_depend_on_the_batch(qtype: T, isa: str) -> None:
+    """Quantized types multiply int8-quantized activations (llama.cpp's arithmetic), the
+    F32/F16/BF16 ones fp32 activations: the reference does the same in float64. For each
+    instruction set the CPU has; 33 tokens and odd row counts take every path."""
     rng = np.random.default_rng(100 + int(qtype))
-    values = (rng.standard_normal((40, 512)) * 0.1).astype(np.float32)
+    values = (rng.standard_normal((41, 800)) * 0.1).astype(np.float32)  # 25 blocks of 32
+    if qtype in K_QUANTS:
+        values = values[:, :512]
     w, reference = weight(values, qtype)
-    x = rng.standard_normal((37, 512)).astype(np.float32)
+    x = rng.standard_normal((37, values.shape[1])).astype(np.float32)
     y = quant_linear(w, torch.from_numpy(x)).numpy()
-    exact = x.astype(np.float64) @ reference.astype(np.float64).T
-    bound = TOLERANCE * (np.abs(x) @ np.abs(reference).T)
-    assert np.all(np.abs(y - exact) <= bound)
-    for n in (1, 2, 5):  # a token's result is the same alone or in any batch
+    xs = x.astype(np.float64) if qtype in (T.F32, T.F16, T.BF16) else quantized_activations(x)
+    exact = xs @ reference.astype(np.float64).T
+    bound = TOLERANCE * (np.abs(xs) @ np.abs(reference.astype(np.float64)).T) + 1e-30
+    assert np.all(np.abs(y - exact) <= bound), np.abs(y - exact).max()
+    for n in (1, 2, 5, 33):  # a token's result is the same alone or in any batch
         alone = quant_linear(w, torch.from_numpy(x[:n])).numpy()
         assert np.array_equal(alone, y[:n])
 
 
-def test_a_weight_of_parts_with_different_types() -> None:
-    """q|k|v fused where v has another type (as in Q4_K_M files)."""
+def test_a_weight_of_parts_with_different_types_and_a_row_order() -> None:
+    """q|k|v fused where v has another type (as in Q4_K_M files), and k's rows stored in
+    another order (llama.cpp's q/k permutation), read through a row index."""
     rng = np.random.default_rng(7)
     pieces = [(rng.standard_normal((rows, 256)) * 0.1).astype(np.float32) for rows in (16, 8, 8)]
     types = [T.Q4_K, T.Q4_K, T.Q6_K]
     parts, references = [], []
-    for values, qtype in zip(pieces, types, strict=True):
+    for i, (values, qtype) in enumerate(zip(pieces, types, strict=True)):
         packed = blocks(values, qtype)
-        parts.append((int(qtype), torch.from_numpy(np.ascontiguousarray(packed))))
-        references.append(dequantize(packed, qtype).reshape(values.shape))
+        reference = dequantize(packed, qtype).reshape(values.shape)
+        index = None
+        if i == 1:  # stored shuffled: row r at index[r]
+            index = rng.permutation(len(values)).astype(np.int32)
+            stored = np.empty_like(packed)
+            stored[index] = packed
+            packed, index = stored, torch.from_numpy(index)
+        parts.append((int(qtype), torch.from_numpy(np.ascontiguousarray(packed)), index))
+        references.append(reference)
     w = QuantWeight(parts)
     reference = np.concatenate(references).astype(np.float32)
     assert np.array_equal(dequantize_rows(w, 0, 32, 256).numpy(), reference)
     x = rng.standard_normal((3, 256)).astype(np.float32)
     y = quant_linear(w, torch.from_numpy(x)).numpy()
-    assert np.allclose(y, x @ reference.T, rtol=1e-5, atol=1e-5)
+    assert np.allclose(y, quantized_activations(x) @ reference.T, rtol=1e-5, atol=1e-5)
 
 
 def test_the_test_quantizer_is_close_to_its_input() -> None:

@@ -443,9 +443,11 @@ def test_blocks_are_the_stored_rows_in_the_models_order(tmp_path: Path):
         if len(weights.shape(name)) != 2:
             assert found is None, name
             continue
-        kind, data = found
+        kind, data, index = found
         kinds.add(GGMLQuantizationType(kind))
-        decoded = dequantize(data.numpy(), GGMLQuantizationType(kind))
+        assert (index is not None) == (".q_proj." in name or ".k_proj." in name), name
+        rows = data.numpy() if index is None else data.numpy()[index.numpy()]
+        decoded = dequantize(rows, GGMLQuantizationType(kind))
         assert torch.equal(
             torch.from_numpy(decoded.reshape(weights.shape(name))), weights.read(name)
         )

@@ -24,12 +24,20 @@ QUESTIONS = ["What is the capital of France?", "Name three colors.", "Count to f
 
 @pytest.fixture(scope="module")
 def smollm2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = Server(["--dtype", "float32", "--kv-cache-memory", "64MiB"],
+    # dequantized, as the smollm2_llm reference these tests compare it with
+    server = Server(["--dtype", "float32", "--kv-cache-memory", "64MiB", "--quantization", "none"],
                     tmp_path_factory.mktemp("smollm2-server") / "server.log")  # fmt: skip
     try:
         yield server
     finally:
         server.stop()
+
+
+def test_the_server_dequantizes_when_told(smollm2_server: Server):
+    """--quantization none reaches the engine process: no GGUF blocks in its ready line."""
+    httpx.get(f"{smollm2_server.url}/health")
+    ready = re.search(r"ready: .*\(.*CPU kernels (.*)\)", smollm2_server.log.read_text())
+    assert ready is not None and ready.group(1) == "active"
 
 
 def test_health_is_503_until_the_model_is_loaded(smollm2_server: Server):

@@ -28,8 +28,9 @@ def infire(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def served(model: str, prompts: list[str], tokens: int = 32) -> tuple[list[list[int]], LLM]:
-    """Greedy tokens from `model` served in bfloat16, and the LLM that made them."""
-    llm = LLM(model, dtype="bfloat16", num_blocks=128)
+    """Greedy tokens from `model` served in bfloat16 (a GGUF dequantized: what Unweight
+    compresses), and the LLM that made them."""
+    llm = LLM(model, dtype="bfloat16", num_blocks=128, quantization="none")
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)], llm
 

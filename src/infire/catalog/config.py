@@ -44,7 +44,8 @@ TASKS = {
     "text-classification": "Text Classification",
     "text-reranking": "Text Reranking",
 }
-ENGINE_KEYS = {"dtype", "kv_cache_memory", "tensor_parallel_size", "max_model_len", "threads"}
+ENGINE_KEYS = {"dtype", "kv_cache_memory", "tensor_parallel_size", "max_model_len", "threads",
+               "quantization"}  # fmt: skip
 _QUANT_SUFFIX = re.compile(r"[.-](q\d\w*|f16|f32|bf16|iq\d\w*)$", re.IGNORECASE)
 
 
@@ -184,6 +185,8 @@ def _entry(raw: Any, index: int, base: Path) -> CatalogEntry:
                            f"{', '.join(sorted(ENGINE_KEYS))}")  # fmt: skip
     if "kv_cache_memory" in engine:
         engine["kv_cache_memory"] = _size(engine["kv_cache_memory"], f"{where}: kv_cache_memory")
+    if engine.get("quantization", "auto") not in ("auto", "none"):
+        raise CatalogError(f"{where}: quantization must be auto or none")
     return CatalogEntry(
         name=name, task=task, source=source, path=_resolve(source, base, where),
         aliases=tuple(aliases), description=str(raw.get("description", "")),

@@ -40,6 +40,7 @@ def engine_config_for(entry: CatalogEntry, base: EngineConfig) -> EngineConfig:
     return dataclasses.replace(
         base, model=str(entry.path), dtype=engine.get("dtype", base.dtype), cache=cache,
         scheduler=scheduler, parallel=parallel,
+        quantization=engine.get("quantization", base.quantization),
     )  # fmt: skip
 
 
@@ -53,12 +54,14 @@ def inspect_entry(entry: CatalogEntry, base: EngineConfig) -> tuple[int, dict[st
         config.dtype, config.device, fused_cpu_bf16=fused and entry.task == GENERATIVE
     )
     if entry.task == GENERATIVE:
-        from infire.models.loader import load_model
+        from infire.models.loader import load_model, weight_bytes
 
         loaded = load_model(config.model, dtype)  # headers only
         ranks = config.parallel.world_size // config.parallel.nnodes
         kv = config.cache.kv_cache_memory
-        size = _numel(loaded.weights) * dtype.itemsize + kv + RUNTIME_BYTES * ranks
+        # GGUF blocks are served as they are on one rank (ranks of a group dequantize)
+        quantization = config.quantization if ranks == 1 and fused else "none"
+        size = weight_bytes(loaded, dtype, quantization) + kv + RUNTIME_BYTES * ranks
         window = loaded.config.max_position_embeddings
         if config.scheduler.max_model_len:
             window = min(window, config.scheduler.max_model_len)

@@ -83,7 +83,7 @@ def config_to_json(config: EngineConfig) -> str:
         {
             "model": config.model, "dtype": config.dtype, "device": config.device,
             "seed": config.seed, "cpu_kernels": config.cpu_kernels,
-            "cache": _fields(config.cache), "scheduler": _fields(config.scheduler),
+            "quantization": config.quantization, "cache": _fields(config.cache), "scheduler": _fields(config.scheduler),
             "parallel": _fields(config.parallel), "disagg": _fields(config.disagg),
         }
     )  # fmt: skip
@@ -94,7 +94,8 @@ def config_from_json(text: str) -> EngineConfig:
     raw = json.loads(text)
     return EngineConfig(
         model=raw["model"], dtype=raw["dtype"], device=raw["device"], seed=raw["seed"],
-        cpu_kernels=raw["cpu_kernels"], cache=CacheConfig(**raw["cache"]),
+        cpu_kernels=raw["cpu_kernels"], quantization=raw["quantization"],
+        cache=CacheConfig(**raw["cache"]),
         scheduler=SchedulerConfig(**raw["scheduler"]),
         parallel=ParallelConfig(**raw["parallel"]), disagg=DisaggConfig(**raw["disagg"]),
     )  # fmt: skip

@@ -38,7 +38,7 @@ from infire.engine.structured import GrammarCache
 from infire.engine.validation import check_params, check_prompt
 from infire.errors import InvalidRequestError, UnsupportedModelError
 from infire.kernels import cpu_forward
-from infire.models.loader import load_model
+from infire.models.loader import gguf_blocks, load_model
 from infire.outputs import RequestMetrics
 from infire.sampling_params import SamplingParams
 from infire.tokenizer import IncrementalDetokenizer
@@ -81,7 +81,7 @@ class LLMEngine:
             runner = ModelRunner(
                 loaded.config, loaded.weights, config.cache, self.dtype, config.device,
                 config.seed, config.cpu_kernels, palette=loaded.palette,
-                scheduler_config=config.scheduler,
+                blocks=gguf_blocks(loaded, config.quantization), scheduler_config=config.scheduler,
             )  # fmt: skip
             self.executor = UniprocExecutor(runner)
         self.runner = self.executor.runner  # rank 0's

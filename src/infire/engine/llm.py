@@ -41,6 +41,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
         cpu_kernels: bool = True,
+        quantization: str = "auto",
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
     ) -> None:
@@ -50,6 +51,7 @@ class LLM:
             device=device,
             seed=seed,
             cpu_kernels=cpu_kernels,
+            quantization=quantization,
             cache=CacheConfig(block_size, kv_cache_memory, num_blocks, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len),
             parallel=ParallelConfig(tensor_parallel_size, pipeline_parallel_size),

@@ -22,10 +22,18 @@ from infire.engine.sampling_state import Grammar, SamplingState
 from infire.engine.scheduler import ScheduledSequence
 from infire.errors import ModelLoadError
 from infire.kernels import CpuForward
+from infire.kernels.cpu_forward import (
+    Blocks,
+    gguf_blocks_reason,
+    gguf_weight_names,
+    load_library,
+    unsupported_reason,
+)
 from infire.layers.attention import AttentionMetadata, DecodeGroup, PrefillGroup
 from infire.layers.kv_spec import AttentionWindow
 from infire.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from infire.models.registry import family_named
+from infire.native import release_free_heap
 from infire.parallel import SINGLE, TensorParallelGroup
 
 
@@ -51,6 +59,7 @@ class ModelRunner:
         cpu_kernels: bool = True,
         palette: bool = False,
         *,
+        blocks: Blocks | None = None,
         tp: TensorParallelGroup = SINGLE,
         layer_range: tuple[int, int] | None = None,
         scheduler_config: SchedulerConfig | None = None,
@@ -58,16 +67,36 @@ class ModelRunner:
         """Build this rank's part of the model (its tp slice of the layers in `layer_range`,
         all of them by default), load it from `weights` (a lazy WeightSource or a dict) and
         allocate its share of the KV pool (windowed groups sized for `scheduler_config`'s
-        batch limits)."""
+        batch limits). With `blocks` (a quantized GGUF's) the fused forward holds the matmul
+        weights and the embedding as the file's blocks, and they are never dequantized."""
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = cache_config.block_size
         self.tp = tp
         model_class = family_named(config.architecture).model_class
-        with torch.device(self.device):
-            self.model = model_class(config, tp, layer_range).to(dtype)
-        self.model.load_weights(weights)
+        # With GGUF blocks the model's matmul weights are never written (their pages never
+        # touched), so they are created in `dtype` at once: a cast would write a copy.
+        default = torch.get_default_dtype()
+        try:
+            if blocks is not None:
+                torch.set_default_dtype(dtype)
+            with torch.device(self.device):
+                self.model = model_class(config, tp, layer_range).to(dtype)
+        finally:
+            torch.set_default_dtype(default)
+        start, end = self.model.layer_range
+        sharded = tp.world_size > 1 or (end - start) < config.num_hidden_layers
+        self.quant_status = ""
+        skip = None
+        if blocks is not None:
+            reason = self._blocks_reason(cpu_kernels, sharded, weights, blocks)
+            if reason is None:
+                skip = set(gguf_weight_names(config, list(weights))).__contains__
+            else:
+                self.quant_status = f", GGUF blocks dequantized ({reason})"
+                blocks = None
+        self.model.load_weights(weights, skip)
         self.model.eval()
         self.kv_spec = self.model.kv_spec
         self.windows: tuple[AttentionWindow, ...] = self.kv_spec.windows
@@ -84,8 +113,6 @@ class ModelRunner:
         # is built before oneDNN packing replaces them.
         self.fused: CpuForward | None = None
         self.fused_status = "disabled"
-        start, end = self.model.layer_range
-        sharded = tp.world_size > 1 or (end - start) < config.num_hidden_layers
         if cpu_kernels and sharded:
             self.fused_status = "unavailable: tensor/pipeline parallel ranks use the PyTorch path"
         elif cpu_kernels and not model_class.supports_fused_cpu:
@@ -93,19 +120,47 @@ class ModelRunner:
         elif cpu_kernels and self.windows:
             self.fused_status = "unavailable: sliding-window attention runs the PyTorch path"
         elif cpu_kernels:
-            built = CpuForward.build(self.model, self.kv_cache, dtype, palette)
+            built = CpuForward.build(self.model, self.kv_cache, dtype, palette, blocks)
             self.fused = built if isinstance(built, CpuForward) else None
             self.fused_status = "active" if self.fused else f"unavailable: {built}"
+        if blocks is not None and self.fused is None:  # checked before loading: not expected
+            raise ModelLoadError(f"GGUF blocks cannot be served: {self.fused_status}")
+        if blocks is not None:
+            self.fused_status += ", GGUF blocks"
+        self.fused_status += self.quant_status
         if palette:  # weights from an Unweight palette-form folder
             held = self.fused is not None and self.fused.palette
             self.fused_status += ", palette weights" if held else ", palette weights decoded"
         if self.fused is not None and self.fused.takes_prefill:
-            # every step runs fused: one copy in memory (the palette form embeds too)
-            self.model.drop_matmul_weights(embedding=self.fused.palette)
+            # every step runs fused: one copy in memory (the palette form and GGUF blocks
+            # embed too)
+            self.model.drop_matmul_weights(embedding=self.fused.palette or self.fused.quantized)
         elif self.device.type == "cpu":
             self.model.pack_for_cpu()
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(seed))
         self.sampling_state = SamplingState(config.vocab_size, self.device)
+        release_free_heap()  # the load's freed scratch
+
+    def _blocks_reason(
+        self, cpu_kernels: bool, sharded: bool, weights: object, blocks: Blocks
+    ) -> str | None:
+        """Why a quantized GGUF's blocks cannot be served here (they are dequantized then),
+        or None: only the fused CPU forward reads them."""
+        model_class = type(self.model)
+        if not cpu_kernels:
+            return "the fused CPU forward is off"
+        if sharded:
+            return "tensor/pipeline parallel ranks dequantize"
+        if not model_class.supports_fused_cpu or self.model.kv_spec.windows:
+            return f"{self.config.architecture} runs the PyTorch path"
+        reason = unsupported_reason(self.config, self.dtype, self.device)
+        if reason is None:
+            lib = load_library()
+            reason = lib if isinstance(lib, str) else None
+        if reason is None:
+            names = list(weights)  # type: ignore[call-overload]
+            reason = gguf_blocks_reason(self.config, names, blocks)
+        return reason
 
     def _allocate_pool(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """One KV tensor per local layer, and the pools they are views of: the layers with

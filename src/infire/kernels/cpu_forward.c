@@ -283,7 +283,8 @@ enum { GGML_F32 = 0, GGML_F16 = 1, GGML_BF16 = 30, GGML_Q4_0 = 2, GGML_Q4_1 = 3,
 typedef struct {
     int32_t type, rows; /* GGML type; rows (a multiple of TILE_ROWS) */
     int64_t row_bytes;
-    const uint8_t *data; /* rows * row_bytes */
+    const uint8_t *data;      /* rows * row_bytes */
+    const int32_t *row_index; /* row r is stored at row_index[r] (NULL: at r) */
 } QuantPart;
 
 typedef struct {
@@ -405,6 +406,11 @@ static void dequant_row(int type, const uint8_t *b, int cols, float *out) {
     }
 }
 
+/* Where row `at` of a part is stored. */
+static inline const uint8_t *quant_row(const QuantPart *p, long at) {
+    return p->data + (p->row_index ? p->row_index[at] : at) * p->row_bytes;
+}
+
 /* The part and row within it of global row `row`. */
 static inline const QuantPart *quant_part(const QuantWeight *w, int *row) {
     int p = 0;
@@ -412,20 +418,384 @@ static inline const QuantPart *quant_part(const QuantWeight *w, int *row) {
     return &w->parts[p];
 }
 
-/* Rows 4 tile .. 4 tile + 3 decoded into the fp32 tile layout [cols/16][4][16]; `row`
- * scratch holds one decoded row. Rows past the weight's end are zeros. */
-static void decode_tile(const QuantWeight *w, long tile, int cols, int rows, float *out,
-                        float *row) {
-    for (int r = 0; r < TILE_ROWS; r++) {
-        int at = (int)(tile * TILE_ROWS + r);
-        if (at >= rows) {
-            memset(row, 0, sizeof(float) * cols);
-        } else {
-            const QuantPart *p = quant_part(w, &at);
-            dequant_row(p->type, p->data + at * p->row_bytes, cols, row);
+/*
+ * Products with GGUF blocks, as llama.cpp computes them: each token's activations are
+ * quantized to int8 per 32 values (scale max|x| / 127, rounded to nearest even), and a
+ * 32-value weight block meets them in integer multiply-adds. Every quantized type is
+ * unpacked, one row at a time, to unsigned codes u (0..63) with a scale A and an offset B
+ * per 16 values, so that a weight is A u + B:
+ *   Q4_0 A = d, B = -8 d;  Q4_1 A = d, B = m;  Q5_0 A = d, B = -16 d;  Q5_1 A = d, B = m;
+ *   Q4_K, Q5_K A = d sc, B = -dmin m (per 32);  Q6_K A = d sc, B = -32 d sc (per 16);
+ *   Q8_0 codes stay signed (A = d, B = 0): the activations take their signs instead.
+ * A 32-block's product is then dx (A0 S0' + A1 S1' + B0 S0 + B1 S1), where S' are the
+ * integer sums of u q over each 16 and S the sums of q. Each (row, token) product runs
+ * the same operations in the same order whatever the batch. Rows of F32, F16 or BF16
+ * parts are decoded to fp32 and multiplied in fp32.
+ */
+#define QX_BLOCK 32
+
+/* Per token, the quantized activations are laid out for both instruction sets: codes in
+ * q_stride bytes (a whole number of 64-byte pairs of blocks, zero past the end), and per
+ * 16 codes (x_stride floats, zero past the end) the block's scale d and the codes' sum
+ * times d (what a weight's offset B multiplies). */
+static inline int q_stride(int cols) { return 64 * ((cols / QX_BLOCK + 1) / 2); }
+static inline int x_stride(int cols) { return 4 * ((cols / QX_BLOCK + 1) / 2); }
+
+static void quantize_x(const float *x, int cols, int8_t *q, float *scale, float *xsum) {
+    memset(q + cols, 0, q_stride(cols) - cols);
+    for (int i = 2 * (cols / QX_BLOCK); i < x_stride(cols); i++) scale[i] = xsum[i] = 0.0f;
+    for (int b = 0; b < cols / QX_BLOCK; b++) {
+        const float *xb = x + b * QX_BLOCK;
+        float amax = 0.0f;
+        for (int j = 0; j < QX_BLOCK; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+        float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        int s0 = 0, s1 = 0;
+        for (int j = 0; j < QX_BLOCK; j++) {
+            int v = (int)nearbyintf(xb[j] * id);
+            q[b * QX_BLOCK + j] = (int8_t)v;
+            if (j < 16) s0 += v; else s1 += v;
         }
-        for (int k = 0; k < cols; k += TILE_COLS)
-            memcpy(out + (long)k * TILE_ROWS + r * TILE_COLS, row + k, sizeof(float) * TILE_COLS);
+        scale[2 * b] = scale[2 * b + 1] = d;
+        xsum[2 * b] = d * (float)s0;
+        xsum[2 * b + 1] = d * (float)s1;
+    }
+}
+
+/* 32 bits, one per byte (bit j of `bits` -> byte j, as 0 or 1). */
+static inline __m256i bits_to_bytes(uint32_t bits) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i select = _mm256_set1_epi64x(0x8040201008040201LL);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
+    v = _mm256_cmpeq_epi8(_mm256_and_si256(v, select), select);
+    return _mm256_and_si256(v, _mm256_set1_epi8(1));
+}
+
+/* Weight block g (32 values) of a row: codes u and A, B for each 16 (see above). */
+static inline __attribute__((always_inline)) __m256i unpack32(
+    int type, const uint8_t *row, int g, float ab[4]) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    switch (type) {
+    case GGML_Q8_0: {
+        const uint8_t *blk = row + 34 * g;
+        ab[0] = ab[1] = half(blk);
+        ab[2] = ab[3] = 0.0f;
+        return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    }
+    case GGML_Q4_0:
+    case GGML_Q4_1:
+    case GGML_Q5_0:
+    case GGML_Q5_1: {
+        int five = type == GGML_Q5_0 || type == GGML_Q5_1;
+        int one = type == GGML_Q4_1 || type == GGML_Q5_1;
+        const uint8_t *blk = row + (18 + 2 * one + 4 * five) * g;
+        float d = half(blk);
+        ab[0] = ab[1] = d;
+        ab[2] = ab[3] = one ? half(blk + 2) : (five ? -16.0f : -8.0f) * d;
+        __m128i v = _mm_loadu_si128((const __m128i *)(blk + 2 + 2 * one + 4 * five));
+        __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4);
+        if (five) {
+            uint32_t qh;
+            memcpy(&qh, blk + 2 + 2 * one, 4);
+            u = _mm256_or_si256(u, _mm256_slli_epi16(bits_to_bytes(qh), 4));
+        }
+        return u;
+    }
+    case GGML_Q4_K:
+    case GGML_Q5_K: {
+        int five = type == GGML_Q5_K, j = g % 8, sc, mn;
+        const uint8_t *blk = row + (five ? 176 : 144) * (g / 8);
+        scale_min_k4(blk + 4, j, &sc, &mn);
+        ab[0] = ab[1] = half(blk) * (float)sc;
+        ab[2] = ab[3] = -(half(blk + 2) * (float)mn);
+        __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * five + 32 * (j / 2)));
+        __m256i u = _mm256_and_si256(_mm256_srli_epi16(v, 4 * (j % 2)), low4);
+        if (five) {
+            __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 16));
+            h = _mm256_and_si256(_mm256_srli_epi16(h, j), _mm256_set1_epi8(1));
+            u = _mm256_or_si256(u, _mm256_slli_epi16(h, 4));
+        }
+        return u;
+    }
+    case GGML_Q6_K: {
+        const uint8_t *blk = row + 210 * (g / 8);
+        int c = g % 8, h = c / 4, k = c % 4;
+        float d = half(blk + 208);
+        const int8_t *scales = (const int8_t *)(blk + 192);
+        ab[0] = d * (float)scales[2 * c];
+        ab[1] = d * (float)scales[2 * c + 1];
+        ab[2] = -32.0f * ab[0];
+        ab[3] = -32.0f * ab[1];
+        __m256i l = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (k % 2)));
+        __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        l = _mm256_and_si256(_mm256_srli_epi16(l, 4 * (k / 2)), low4);
+        q = _mm256_and_si256(_mm256_srli_epi16(q, 2 * k), _mm256_set1_epi8(3));
+        return _mm256_or_si256(l, _mm256_slli_epi16(q, 4));
+    }
+    }
+    return _mm256_setzero_si256();
+}
+
+/* Products of rows `row0` and `row1` (of one type; row1 may be NULL) with `nt` tokens'
+ * quantized activations (token t's codes at q + t * cols, its scales and offsets
+ * likewise): each block is unpacked once and meets every token, and each (row, token) sum
+ * runs in block order, whatever the number of tokens or the other row. */
+static inline __attribute__((always_inline)) void rows_dots_q_typed(
+    const int type, const uint8_t *row0, const uint8_t *row1, int cols, int nt, const int8_t *q,
+    const float *scale, const float *xsum, float *out0, float *out1) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int blocks = cols / QX_BLOCK, is_signed = type == GGML_Q8_0, halves = type == GGML_Q6_K;
+    __m256 acc0[TOKEN_BLOCK], acc1[TOKEN_BLOCK];
+    float off0[TOKEN_BLOCK], off1[TOKEN_BLOCK];
+    for (int t = 0; t < nt; t++) {
+        acc0[t] = acc1[t] = _mm256_setzero_ps();
+        off0[t] = off1[t] = 0.0f;
+    }
+    for (int b = 0; b < blocks; b++) {
+        float ab0[4], ab1[4] = {0};
+        __m256i u0 = unpack32(type, row0, b, ab0), u1 = u0;
+        if (row1) u1 = unpack32(type, row1, b, ab1);
+        __m256i m0 = is_signed ? _mm256_sign_epi8(u0, u0) : u0;
+        __m256i m1 = is_signed ? _mm256_sign_epi8(u1, u1) : u1;
+        for (int t = 0; t < nt; t++) {
+            __m256i x = _mm256_loadu_si256((const __m256i *)(q + (long)t * q_stride(cols) + 32 * b));
+            __m256i x0 = is_signed ? _mm256_sign_epi8(x, u0) : x;
+            __m256 p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(m0, x0), ones));
+            const float dx = scale[t * x_stride(cols) + 2 * b];
+            const float *xs = xsum + (long)t * x_stride(cols) + 2 * b;
+            if (halves) {
+                acc0[t] = _mm256_fmadd_ps(p0, _mm256_setr_m128(_mm_set1_ps(ab0[0] * dx), _mm_set1_ps(ab0[1] * dx)), acc0[t]);
+                off0[t] += ab0[2] * xs[0] + ab0[3] * xs[1];
+            } else {
+                acc0[t] = _mm256_fmadd_ps(p0, _mm256_set1_ps(ab0[0] * dx), acc0[t]);
+                off0[t] += ab0[2] * (xs[0] + xs[1]);
+            }
+            if (!row1) continue;
+            __m256i x1 = is_signed ? _mm256_sign_epi8(x, u1) : x;
+            __m256 p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(m1, x1), ones));
+            if (halves) {
+                acc1[t] = _mm256_fmadd_ps(p1, _mm256_setr_m128(_mm_set1_ps(ab1[0] * dx), _mm_set1_ps(ab1[1] * dx)), acc1[t]);
+                off1[t] += ab1[2] * xs[0] + ab1[3] * xs[1];
+            } else {
+                acc1[t] = _mm256_fmadd_ps(p1, _mm256_set1_ps(ab1[0] * dx), acc1[t]);
+                off1[t] += ab1[2] * (xs[0] + xs[1]);
+            }
+        }
+    }
+    for (int t = 0; t < nt; t++) {
+        out0[t] = hsum(acc0[t]) + off0[t];
+        if (row1) out1[t] = hsum(acc1[t]) + off1[t];
+    }
+}
+
+/*
+ * The same products with AVX512-VNNI (chosen at run time where the CPU has it): two
+ * blocks (64 codes) a step, `vpdpbusd` summing each 4 code x activation products into 32
+ * bits, so Q8_0's signed codes are shifted to unsigned (u = w + 128, B = -128 d) instead
+ * of lending their signs. Per (row, token) the operations are fixed, whatever the batch.
+ */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")))
+
+/* Where value `i` of a row's blocks starts (a constant type folds it to a multiply). */
+static inline long value_offset(int type, long i) {
+    switch (type) {
+    case GGML_Q8_0: return i / 32 * 34;
+    case GGML_Q4_0: return i / 32 * 18;
+    case GGML_Q4_1: return i / 32 * 20;
+    case GGML_Q5_0: return i / 32 * 22;
+    case GGML_Q5_1: return i / 32 * 24;
+    case GGML_Q4_K: return i / 256 * 144;
+    case GGML_Q5_K: return i / 256 * 176;
+    case GGML_Q6_K: return i / 256 * 210;
+    }
+    return 0;
+}
+
+#define PREFETCH_VALUES 2048 /* how far ahead of the products a row is fetched */
+
+/* Blocks 2 h and 2 h + 1 of a row: 64 unsigned codes, and A and B for each 16. */
+static inline AVX512 __attribute__((always_inline)) __m512i unpack64(
+    int type, const uint8_t *row, int h, int blocks, __m128 *a, __m128 *b) {
+    float lo[4], hi[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    __m256i u0 = unpack32(type, row, 2 * h, lo), u1 = _mm256_setzero_si256();
+    if (2 * h + 1 < blocks) u1 = unpack32(type, row, 2 * h + 1, hi);
+    if (type == GGML_Q8_0) { /* signed codes: w + 128, and the offset takes it back */
+        const __m256i flip = _mm256_set1_epi8((char)0x80);
+        u0 = _mm256_xor_si256(u0, flip);
+        lo[2] = lo[3] = -128.0f * lo[0];
+        if (2 * h + 1 < blocks) {
+            u1 = _mm256_xor_si256(u1, flip);
+            hi[2] = hi[3] = -128.0f * hi[0];
+        }
+    }
+    *a = _mm_setr_ps(lo[0], lo[1], hi[0], hi[1]);
+    *b = _mm_setr_ps(lo[2], lo[3], hi[2], hi[3]);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(u0), u1, 1);
+}
+
+static inline AVX512 __attribute__((always_inline)) void rows_dots_q512_typed(
+    const int type, const uint8_t *row0, const uint8_t *row1, int cols, int nt, const int8_t *q,
+    const float *scale, const float *xsum, float *out0, float *out1) {
+    const int blocks = cols / QX_BLOCK, steps = (blocks + 1) / 2;
+    const int qs = q_stride(cols), xs_stride = x_stride(cols);
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    __m512 acc0[TOKEN_BLOCK], acc1[TOKEN_BLOCK];
+    __m128 off0[TOKEN_BLOCK], off1[TOKEN_BLOCK];
+    for (int t = 0; t < nt; t++) {
+        acc0[t] = acc1[t] = _mm512_setzero_ps();
+        off0[t] = off1[t] = _mm_setzero_ps();
+    }
+    for (int h = 0; h < steps; h++) {
+        _mm_prefetch((const char *)row0 + value_offset(type, 64L * h + PREFETCH_VALUES), _MM_HINT_T0);
+        if (row1)
+            _mm_prefetch((const char *)row1 + value_offset(type, 64L * h + PREFETCH_VALUES), _MM_HINT_T0);
+        __m128 a0, b0, a1 = _mm_setzero_ps(), b1 = a1;
+        __m512i u0 = unpack64(type, row0, h, blocks, &a0, &b0), u1 = u0;
+        if (row1) u1 = unpack64(type, row1, h, blocks, &a1, &b1);
+        for (int t = 0; t < nt; t++) {
+            __m512i x = _mm512_loadu_si512(q + (long)t * qs + 64 * h);
+            __m128 dx = _mm_loadu_ps(scale + (long)t * xs_stride + 4 * h);
+            __m128 xs = _mm_loadu_ps(xsum + (long)t * xs_stride + 4 * h);
+            __m512 p0 = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u0, x));
+            __m512 s0 = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(a0, dx)));
+            acc0[t] = _mm512_fmadd_ps(p0, s0, acc0[t]);
+            off0[t] = _mm_fmadd_ps(b0, xs, off0[t]);
+            if (!row1) continue;
+            __m512 p1 = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u1, x));
+            __m512 s1 = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(a1, dx)));
+            acc1[t] = _mm512_fmadd_ps(p1, s1, acc1[t]);
+            off1[t] = _mm_fmadd_ps(b1, xs, off1[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++) {
+        __m128 o = off0[t];
+        o = _mm_add_ps(o, _mm_movehl_ps(o, o));
+        out0[t] = _mm512_reduce_add_ps(acc0[t]) + _mm_cvtss_f32(_mm_add_ss(o, _mm_movehdup_ps(o)));
+        if (!row1) continue;
+        o = off1[t];
+        o = _mm_add_ps(o, _mm_movehl_ps(o, o));
+        out1[t] = _mm512_reduce_add_ps(acc1[t]) + _mm_cvtss_f32(_mm_add_ss(o, _mm_movehdup_ps(o)));
+    }
+}
+
+/* Each type's loop compiled on its own (the type a constant in it). */
+#define FOR_EACH_QUANT_TYPE(CALL)                                                          \
+    switch (type) {                                                                        \
+    case GGML_Q8_0: CALL(GGML_Q8_0); break;                                                \
+    case GGML_Q4_0: CALL(GGML_Q4_0); break;                                                \
+    case GGML_Q4_1: CALL(GGML_Q4_1); break;                                                \
+    case GGML_Q5_0: CALL(GGML_Q5_0); break;                                                \
+    case GGML_Q5_1: CALL(GGML_Q5_1); break;                                                \
+    case GGML_Q4_K: CALL(GGML_Q4_K); break;                                                \
+    case GGML_Q5_K: CALL(GGML_Q5_K); break;                                                \
+    case GGML_Q6_K: CALL(GGML_Q6_K); break;                                                \
+    }
+
+static void rows_dots_q(int type, const uint8_t *row0, const uint8_t *row1, int cols, int nt,
+                        const int8_t *q, const float *scale, const float *xsum, float *out0,
+                        float *out1) {
+/* one token (decode) compiled apart: its sums stay in registers */
+#define DOTS_AVX2(T)                                                                      \
+    nt == 1 ? rows_dots_q_typed(T, row0, row1, cols, 1, q, scale, xsum, out0, out1)       \
+            : rows_dots_q_typed(T, row0, row1, cols, nt, q, scale, xsum, out0, out1)
+    FOR_EACH_QUANT_TYPE(DOTS_AVX2)
+}
+
+static AVX512 void rows_dots_q512(int type, const uint8_t *row0, const uint8_t *row1, int cols,
+                                  int nt, const int8_t *q, const float *scale, const float *xsum,
+                                  float *out0, float *out1) {
+#define DOTS_AVX512(T)                                                                    \
+    nt == 1 ? rows_dots_q512_typed(T, row0, row1, cols, 1, q, scale, xsum, out0, out1)    \
+            : rows_dots_q512_typed(T, row0, row1, cols, nt, q, scale, xsum, out0, out1)
+    FOR_EACH_QUANT_TYPE(DOTS_AVX512)
+}
+
+/* 1: the AVX2 products, 2: AVX512-VNNI's. */
+static int quant_isa = 0;
+
+static int detect_quant_isa(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
+               ? 2
+               : 1;
+}
+
+/* Exported: choose the products' instruction set (0: the best this CPU has, 1: AVX2,
+ * 2: AVX512-VNNI, where the CPU has it); returns the one in use. */
+int infire_quant_isa(int wanted) {
+    int best = detect_quant_isa();
+    quant_isa = wanted == 1 || wanted == 2 ? (wanted < best ? wanted : best) : best;
+    return quant_isa;
+}
+
+static inline void rows_dots(int type, const uint8_t *row0, const uint8_t *row1, int cols,
+                             int nt, const int8_t *q, const float *scale, const float *xsum,
+                             float *out0, float *out1) {
+    if (!quant_isa) quant_isa = detect_quant_isa();
+    if (quant_isa == 2)
+        rows_dots_q512(type, row0, row1, cols, nt, q, scale, xsum, out0, out1);
+    else
+        rows_dots_q(type, row0, row1, cols, nt, q, scale, xsum, out0, out1);
+}
+
+/* The same in fp32, for a row decoded to fp32 (F32, F16 and BF16 parts). */
+static inline float row_dot_f32(const float *w, const float *x, int cols) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int k = 0; k < cols; k += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), acc);
+    return hsum(acc);
+}
+
+static inline int is_float_type(int type) {
+    return type == GGML_F32 || type == GGML_F16 || type == GGML_BF16;
+}
+
+/* y[t, :rows] (+)= W x[t] (+ bias) for a QuantWeight, inside a parallel region: per block
+ * of tokens each thread quantizes their activations (cheap next to the product), then the
+ * threads share the rows, each row unpacked once for the block's tokens. */
+static void quant_linear_impl(const QuantWeight *w, const float *bias, const float *x, int n,
+                              int cols, float *y, int rows, int ldy, int accumulate) {
+    const int qs = q_stride(cols), xs = x_stride(cols);
+    int8_t q[TOKEN_BLOCK * qs];
+    float scale[TOKEN_BLOCK * xs], xsum[TOKEN_BLOCK * xs];
+    float row_f32[cols], out[2][TOKEN_BLOCK];
+    int pairs = (rows + 1) / 2;
+    for (int t0 = 0; t0 < n; t0 += TOKEN_BLOCK) {
+        int t1 = t0 + TOKEN_BLOCK < n ? t0 + TOKEN_BLOCK : n, nt = t1 - t0;
+        for (int t = t0; t < t1; t++)
+            quantize_x(x + (long)t * cols, cols, q + (t - t0) * qs, scale + (t - t0) * xs,
+                       xsum + (t - t0) * xs);
+#pragma omp for schedule(static)
+        for (int pair = 0; pair < pairs; pair++) {
+            int first = 2 * pair, count = first + 1 < rows ? 2 : 1;
+            int at0 = first, at1 = first + 1;
+            const QuantPart *p0 = quant_part(w, &at0);
+            const QuantPart *p1 = count == 2 ? quant_part(w, &at1) : NULL;
+            if (is_float_type(p0->type) || (p1 && p1->type != p0->type) ||
+                (p1 && is_float_type(p1->type))) {
+                for (int r = 0; r < count; r++) { /* one row at a time */
+                    int at = first + r;
+                    const QuantPart *p = quant_part(w, &at);
+                    if (is_float_type(p->type)) {
+                        dequant_row(p->type, quant_row(p, at), cols, row_f32);
+                        for (int t = 0; t < nt; t++)
+                            out[r][t] = row_dot_f32(row_f32, x + (long)(t0 + t) * cols, cols);
+                    } else
+                        rows_dots(p->type, quant_row(p, at), NULL, cols, nt, q, scale, xsum,
+                                    out[r], NULL);
+                }
+            } else
+                rows_dots(p0->type, quant_row(p0, at0), p1 ? quant_row(p1, at1) : NULL, cols,
+                            nt, q, scale, xsum, out[0], out[1]);
+            for (int r = 0; r < count; r++) {
+                float add = bias ? bias[first + r] : 0.0f;
+                for (int t = 0; t < nt; t++) {
+                    float *yt = y + (long)(t0 + t) * ldy + first + r;
+                    *yt = accumulate ? *yt + (out[r][t] + add) : out[r][t] + add;
+                }
+            }
+        }
     }
 }
 
@@ -434,16 +804,15 @@ void infire_dequantize_rows(const QuantWeight *w, int first, int n, int cols, fl
     for (int r = 0; r < n; r++) {
         int at = first + r;
         const QuantPart *p = quant_part(w, &at);
-        dequant_row(p->type, p->data + at * p->row_bytes, cols, out + (long)r * cols);
+        dequant_row(p->type, quant_row(p, at), cols, out + (long)r * cols);
     }
 }
 
-enum { WEIGHT_F32, WEIGHT_BF16, WEIGHT_PALETTE, WEIGHT_QUANT };
+enum { WEIGHT_F32, WEIGHT_BF16, WEIGHT_PALETTE };
 
 static inline __attribute__((always_inline)) void linear_impl(
     const void *w, const int kind, const float *bias, const float *x, int n, int cols,
-    float *y, int rows, int ldy, int accumulate, uint16_t *scratch, float *tile_f32,
-    float *row_f32) {
+    float *y, int rows, int ldy, int accumulate, uint16_t *scratch) {
     int tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
     __m256i hi = _mm256_setzero_si256(), lo = hi;
     if (kind == WEIGHT_PALETTE) palette_tables(w, &hi, &lo);
@@ -459,10 +828,6 @@ static inline __attribute__((always_inline)) void linear_impl(
             if (rebuild) {
                 palette_tile(w, tile, cols, hi, lo, scratch);
                 wt = scratch;
-                at = 0;
-            } else if (kind == WEIGHT_QUANT) { /* decoded once per token block */
-                decode_tile(w, tile, cols, rows, tile_f32, row_f32);
-                wt = tile_f32;
                 at = 0;
             }
             const int bf16 = kind == WEIGHT_BF16 || kind == WEIGHT_PALETTE;
@@ -499,15 +864,13 @@ static void linear(const InfireModel *m, const void *w, const float *bias, const
                    int cols, float *y, int rows, int ldy, int accumulate) {
     if (m->weight_palette) {
         uint16_t scratch[TILE_ROWS * cols];
-        linear_impl(w, WEIGHT_PALETTE, bias, x, n, cols, y, rows, ldy, accumulate, scratch, NULL,
-                    NULL);
-    } else if (m->weight_quant) {
-        float tile[TILE_ROWS * cols], row[cols];
-        linear_impl(w, WEIGHT_QUANT, bias, x, n, cols, y, rows, ldy, accumulate, NULL, tile, row);
-    } else if (m->weight_bf16)
-        linear_impl(w, WEIGHT_BF16, bias, x, n, cols, y, rows, ldy, accumulate, NULL, NULL, NULL);
+        linear_impl(w, WEIGHT_PALETTE, bias, x, n, cols, y, rows, ldy, accumulate, scratch);
+    } else if (m->weight_quant)
+        quant_linear_impl(w, bias, x, n, cols, y, rows, ldy, accumulate);
+    else if (m->weight_bf16)
+        linear_impl(w, WEIGHT_BF16, bias, x, n, cols, y, rows, ldy, accumulate, NULL);
     else
-        linear_impl(w, WEIGHT_F32, bias, x, n, cols, y, rows, ldy, accumulate, NULL, NULL, NULL);
+        linear_impl(w, WEIGHT_F32, bias, x, n, cols, y, rows, ldy, accumulate, NULL);
 }
 
 /* Exported for the tests and benchmarks: y[n, rows] = x[n, cols] W^T through the kernel's
@@ -515,10 +878,7 @@ static void linear(const InfireModel *m, const void *w, const float *bias, const
 void infire_quant_linear(const QuantWeight *w, const float *x, int n, int cols, float *y,
                          int rows) {
 #pragma omp parallel
-    {
-        float tile[TILE_ROWS * cols], row[cols];
-        linear_impl(w, WEIGHT_QUANT, NULL, x, n, cols, y, rows, rows, 0, NULL, tile, row);
-    }
+    quant_linear_impl(w, NULL, x, n, cols, y, rows, rows, 0);
 }
 
 /* out = x / rms(x) * weight over one row of dim floats (out may be x) */
@@ -565,7 +925,7 @@ static void embed_tokens(const InfireModel *m, const int64_t *token_ids, int n, 
         } else if (m->weight_quant) { /* the looked-up row, decoded */
             int at = (int)token_ids[t];
             const QuantPart *p = quant_part(m->embed, &at);
-            dequant_row(p->type, p->data + at * p->row_bytes, h, xt);
+            dequant_row(p->type, quant_row(p, at), h, xt);
         } else if (m->weight_bf16)
             for (int i = 0; i < h; i++) xt[i] = bf16_to_f32(((const uint16_t *)m->embed)[row + i]);
         else

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -77,24 +78,77 @@ class _QuantPart(ctypes.Structure):
     """Mirror of QuantPart in cpu_forward.c: rows of one GGML type, blocks along a row."""
 
     _fields_ = [("type", ctypes.c_int32), ("rows", ctypes.c_int32), ("row_bytes", ctypes.c_int64),
-                ("data", _ptr)]  # fmt: skip
+                ("data", _ptr), ("row_index", _ptr)]  # fmt: skip
 
 
 class QuantWeight(ctypes.Structure):
     """Mirror of QuantWeight in cpu_forward.c: a matmul weight of GGUF blocks, in parts of
-    whole rows (a fused q|k|v whose pieces have different types). `parts` are (GGML type
-    id, [rows, row_bytes] uint8 tensor) pairs; the tensors stay referenced here."""
+    whole rows (a fused q|k|v whose pieces have different types). `parts` are GGUFBlocks:
+    GGML type id, [rows, row_bytes] uint8 tensor, and the stored row of each row (None:
+    in order); the tensors stay referenced here."""
 
     _fields_ = [("num_parts", ctypes.c_int32), ("parts", _QuantPart * MAX_QUANT_PARTS)]
 
-    def __init__(self, parts: list[tuple[int, torch.Tensor]]) -> None:
+    def __init__(self, parts: list[GGUFBlocks]) -> None:
         if not 0 < len(parts) <= MAX_QUANT_PARTS:
             raise ValueError(f"a QuantWeight has 1 to {MAX_QUANT_PARTS} parts, not {len(parts)}")
-        structs = [_QuantPart(kind, data.shape[0], data.shape[1], data.data_ptr())
-                   for kind, data in parts]  # fmt: skip
+        structs = [_QuantPart(kind, data.shape[0], data.shape[1], data.data_ptr(),
+                              None if index is None else index.data_ptr())
+                   for kind, data, index in parts]  # fmt: skip
         super().__init__(len(parts), (_QuantPart * MAX_QUANT_PARTS)(*structs))
-        self.tensors = [data for _, data in parts]
-        self.rows = sum(data.shape[0] for data in self.tensors)
+        self.tensors = [t for _, data, index in parts for t in (data, index) if t is not None]
+        self.rows = sum(data.shape[0] for _, data, _ in parts)
+
+
+# A weight as a GGUF file stores it: GGML type id, [rows, row_bytes] uint8 blocks, and
+# int32 [rows] (row r is stored at index[r]) or None (in order)
+GGUFBlocks = tuple[int, torch.Tensor, "torch.Tensor | None"]
+# A checkpoint's tensor as its GGUFBlocks, or None (models/gguf.py GGUFSource.blocks)
+Blocks = Callable[[str], "GGUFBlocks | None"]
+
+_LAYER = "model.layers.{}."
+
+
+def gguf_weight_names(config: ModelConfig, names: list[str]) -> list[str] | str:
+    """The checkpoint tensors a fused forward over GGUF blocks holds as QuantWeights (every
+    matmul weight, the embedding and the head), or why it cannot run this model so."""
+    present = set(names)
+    wanted = ["model.embed_tokens.weight"]
+    if "lm_head.weight" in present:
+        wanted.append("lm_head.weight")
+    for i in range(config.num_hidden_layers):
+        layer = _LAYER.format(i)
+        wanted += [f"{layer}self_attn.{p}_proj.weight" for p in "qkvo"]
+        if f"{layer}mlp.gate_proj.weight" in present:
+            wanted += [f"{layer}mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        else:
+            experts = getattr(config, "num_experts", 0)
+            wanted.append(f"{layer}mlp.gate.weight")
+            wanted += [f"{layer}mlp.experts.{e}.{p}_proj.weight"
+                       for e in range(experts) for p in ("gate", "up", "down")]  # fmt: skip
+    missing = [name for name in wanted if name not in present]
+    if missing:
+        return f"no tensor {missing[0]} in the file"
+    return wanted
+
+
+# GGML types the kernel reads: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K
+READ_TYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1",
+              8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}  # fmt: skip
+
+
+def gguf_blocks_reason(config: ModelConfig, names: list[str], blocks: Blocks) -> str | None:
+    """Why this model's GGUF blocks cannot be served by the kernel (a tensor it needs is
+    missing, or of a type it does not read), or None."""
+    wanted = gguf_weight_names(config, names)
+    if isinstance(wanted, str):
+        return wanted
+    for name in wanted:
+        stored = blocks(name)
+        if stored is None or stored[0] not in READ_TYPES:
+            kind = "1-D" if stored is None else f"GGML type {stored[0]}"
+            return f"{name} is {kind}, which the kernel does not read"
+    return None
 
 
 def dequantize_rows(weight: QuantWeight, first: int, count: int, cols: int) -> torch.Tensor:
@@ -105,6 +159,19 @@ def dequantize_rows(weight: QuantWeight, first: int, count: int, cols: int) -> t
     out = torch.empty(count, cols)
     lib.infire_dequantize_rows(ctypes.byref(weight), first, count, cols, _ptr(out.data_ptr()))
     return out
+
+
+QUANT_ISAS = {1: "avx2", 2: "avx512-vnni"}
+
+
+def quant_isa(wanted: str | None = None) -> str:
+    """The instruction set of the GGUF products ("avx2" or "avx512-vnni"): the best this
+    CPU has, or `wanted` where it has that (for tests and benchmarks)."""
+    lib = load_library()
+    if isinstance(lib, str):
+        raise RuntimeError(lib)
+    code = {name: number for number, name in QUANT_ISAS.items()}.get(wanted or "", 0)
+    return QUANT_ISAS[lib.infire_quant_isa(code)]
 
 
 def quant_linear(weight: QuantWeight, x: torch.Tensor) -> torch.Tensor:
@@ -240,16 +307,23 @@ class CpuForward:
     """
 
     def __init__(
-        self, lib: ctypes.CDLL, model: torch.nn.Module, kv_cache: torch.Tensor, palette: bool
+        self,
+        lib: ctypes.CDLL,
+        model: torch.nn.Module,
+        kv_cache: torch.Tensor,
+        palette: bool,
+        blocks: Blocks | None = None,
     ) -> None:
         self.lib = lib
         config: ModelConfig = model.config
         self.vocab = config.vocab_size
-        bf16 = model.embed_tokens.weight.dtype == torch.bfloat16
+        self.quantized = blocks is not None
+        bf16 = model.embed_tokens.weight.dtype == torch.bfloat16 and not self.quantized
         self.palette = palette and bf16
         # In fp32 PyTorch's GEMM beats the kernel on prefill; in bf16 (no bf16 instructions
-        # on AVX2 CPUs) the kernel is ~5x faster than PyTorch, so it takes prefill too.
-        self.takes_prefill = bf16
+        # on AVX2 CPUs) the kernel is ~5x faster than PyTorch, so it takes prefill too. GGUF
+        # blocks are held here only: the kernel takes every step.
+        self.takes_prefill = bf16 or self.quantized
         # fp32 RoPE tables even when the model's buffers were cast to bf16
         rope = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
@@ -268,8 +342,16 @@ class CpuForward:
         def array(tensors: list[torch.Tensor | None]) -> ctypes.Array:
             return (_ptr * len(tensors))(*(ptr(t) for t in tensors))
 
-        def weight(w: torch.Tensor) -> int | None:
-            """A matmul weight in the kernel's form: tiled, or a PaletteWeight."""
+        quant: list[QuantWeight] = []
+
+        def weight(w: torch.Tensor | list[str]) -> int | None:
+            """A matmul weight in the kernel's form: tiled, a PaletteWeight, or (given the
+            names of its row parts) a QuantWeight of their GGUF blocks."""
+            if isinstance(w, list):
+                parts = [blocks(name) for name in w]
+                quant.append(QuantWeight(parts))
+                keep.extend(quant[-1].tensors)
+                return ctypes.addressof(quant[-1])
             if not self.palette:
                 return ptr(tile_weight(w.data))
             arrays = palette_tile_weight(w.data)
@@ -293,21 +375,57 @@ class CpuForward:
         mlp = [layer.mlp for layer in layers]
         moe = [getattr(m, "experts", None) for m in mlp]  # Mixtral's SparseMoeBlock
         dense = [None if e is not None else m for m, e in zip(mlp, moe, strict=True)]
+        num_experts = getattr(config, "num_experts", 0)
+        # each matmul weight: the module's tensor, or with GGUF blocks the names of its parts
+        quantized = self.quantized
+        at = [_LAYER.format(i) for i in range(len(layers))]
+        attn_names = [[f"{p}self_attn.{x}_proj.weight" for x in "qkv"] for p in at]
         self._arrays = [
-            tiled([a.qkv_proj.weight for a in attn]),
+            tiled(attn_names if quantized else [a.qkv_proj.weight for a in attn]),
             array([fp32(a.qkv_proj.bias) for a in attn]),
-            tiled([a.o_proj.weight for a in attn]),
-            tiled_or_none([None if m is None else m.gate_up_proj.weight for m in dense]),
-            tiled_or_none([None if m is None else m.down_proj.weight for m in dense]),
+            tiled(
+                [[f"{p}self_attn.o_proj.weight"] for p in at]
+                if quantized
+                else [a.o_proj.weight for a in attn]
+            ),  # fmt: skip
+            tiled_or_none(
+                [
+                    None
+                    if m is None
+                    else [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
+                    if quantized
+                    else m.gate_up_proj.weight
+                    for m, p in zip(dense, at, strict=True)
+                ]
+            ),  # fmt: skip
+            tiled_or_none(
+                [
+                    None
+                    if m is None
+                    else [f"{p}mlp.down_proj.weight"]
+                    if quantized
+                    else m.down_proj.weight
+                    for m, p in zip(dense, at, strict=True)
+                ]
+            ),  # fmt: skip
             array([fp32(layer.input_layernorm.weight) for layer in layers]),
             array([fp32(layer.post_attention_layernorm.weight) for layer in layers]),
         ]
-        num_experts = getattr(config, "num_experts", 0)
         routers, gate_ups, downs = [], [], []
-        for block, experts in zip(mlp, moe, strict=True):
-            routers.append(None if experts is None else block.gate.weight)
-            gate_ups += [None] * num_experts if experts is None else list(experts.w13)
-            downs += [None] * num_experts if experts is None else list(experts.w2)
+        for block, experts, p in zip(mlp, moe, at, strict=True):
+            if experts is None:
+                routers.append(None)
+                gate_ups += [None] * num_experts
+                downs += [None] * num_experts
+            elif quantized:
+                routers.append([f"{p}mlp.gate.weight"])
+                named = [f"{p}mlp.experts.{e}." for e in range(num_experts)]
+                gate_ups += [[f"{e}gate_proj.weight", f"{e}up_proj.weight"] for e in named]
+                downs += [[f"{e}down_proj.weight"] for e in named]
+            else:
+                routers.append(block.gate.weight)
+                gate_ups += list(experts.w13)
+                downs += list(experts.w2)
         self._expert_arrays = [tiled_or_none(w) for w in (routers, gate_ups, downs)]
         top_k = getattr(config, "num_experts_per_tok", 0) if num_experts else 0
         expert_size = getattr(config, "moe_intermediate_size", 0) or config.intermediate_size
@@ -318,24 +436,30 @@ class CpuForward:
             array([fp32(a.k_norm.weight) for a in attn]) if attn[0].k_norm is not None else None,
         ]
         self._norm_arrays = qk_norms
-        lm_head = weight(model.lm_head.weight)
-        if not self.palette:
-            embed = ptr(model.embed_tokens.weight.data)
-        elif model.lm_head.weight is model.embed_tokens.weight:
-            embed = lm_head  # tied: tokens are embedded from the lm_head's palette tiles
+        tied = model.lm_head.weight is model.embed_tokens.weight
+        if quantized:  # tokens are embedded from their row of blocks
+            lm_head = weight(["model.embed_tokens.weight" if tied else "lm_head.weight"])
+            embed = lm_head if tied else weight(["model.embed_tokens.weight"])
         else:
-            embed = weight(model.embed_tokens.weight)
+            lm_head = weight(model.lm_head.weight)
+            if not self.palette:
+                embed = ptr(model.embed_tokens.weight.data)
+            elif tied:  # tokens are embedded from the lm_head's palette tiles
+                embed = lm_head
+            else:
+                embed = weight(model.embed_tokens.weight)
         self.struct = _Model(
             config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
             config.num_key_value_heads, config.head_dim, config.intermediate_size,
             config.vocab_size, kv_cache.shape[3], bf16, kv_cache.dtype == torch.bfloat16,
-            self.palette, 0, config.rms_norm_eps, config.head_dim**-0.5, kv_cache.shape[2],
+            self.palette, quantized, config.rms_norm_eps, config.head_dim**-0.5, kv_cache.shape[2],
             *self._arrays, ptr(fp32(model.norm.weight)), embed, lm_head, kv_cache.data_ptr(),
             num_experts, top_k, *self._expert_arrays, norm_topk, expert_size,
             *(ctypes.cast(a, ctypes.POINTER(_ptr)) if a is not None else None for a in qk_norms),
         )  # fmt: skip
         self._keep = [*keep, kv_cache]
         self._structs = structs
+        self._quant = quant
         # bytes of the weights this forward holds (each storage once)
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in keep}
         self.weight_bytes = sum(storages.values())
@@ -348,16 +472,18 @@ class CpuForward:
         kv_cache: torch.Tensor,
         dtype: torch.dtype,
         palette: bool = False,
+        blocks: Blocks | None = None,
     ) -> CpuForward | str:
         """A fused forward for this model and pool (with `palette`, bf16 weights held in the
-        palette form), or the reason there cannot be one."""
+        palette form; with `blocks`, the matmul weights and embedding held as GGUF blocks),
+        or the reason there cannot be one."""
         reason = unsupported_reason(model.config, dtype, kv_cache.device)
         if reason is not None:
             return reason
         lib = load_library()
         if isinstance(lib, str):
             return lib
-        return cls(lib, model, kv_cache, palette)
+        return cls(lib, model, kv_cache, palette, blocks)
 
     def forward(
         self,

@@ -13,6 +13,7 @@ gate/up merge into one matmul each, and experts into stacked tensors, per-expert
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -208,10 +209,16 @@ class CausalLM(nn.Module):
 
     # --- loading -----------------------------------------------------------------------
 
-    def load_weights(self, weights: WeightSource | dict[str, torch.Tensor]) -> None:
+    def load_weights(
+        self,
+        weights: WeightSource | dict[str, torch.Tensor],
+        skip: Callable[[str], bool] | None = None,
+    ) -> None:
         """Load this stage's parameters from a checkpoint keyed by Hugging Face names (a lazy
         source or a dict of full tensors), each module reading only its slice; every
-        parameter must be set."""
+        parameter must be set, except those of the tensors `skip` names, which are left
+        unwritten (a fused forward holds them in another form: their pages are never
+        touched, so they take no memory until drop_matmul_weights frees them)."""
         source = as_source(weights)
         modules = dict(self.named_modules())
         loaded: set[Target] = set()
@@ -224,7 +231,8 @@ class CausalLM(nn.Module):
                 raise ModelLoadError(f"checkpoint tensor {hf_name} has no place in the model")
             module = modules[module_name]
             try:
-                module.load_shard(param_name, source.get_slice(hf_name), shard)
+                if skip is None or not skip(hf_name):
+                    module.load_shard(param_name, source.get_slice(hf_name), shard)
             except (ValueError, RuntimeError, KeyError, AttributeError) as e:
                 raise ModelLoadError(f"checkpoint tensor {hf_name}: {e}") from None
             if shard == ALL_SHARDS:

@@ -459,23 +459,43 @@ class GGUFSource(WeightSource):
         self._release(tensor)
         return out
 
-    def blocks(self, name: str) -> tuple[int, torch.Tensor] | None:
-        """A 2-D weight as the file stores it: (GGML type id, [rows, row_bytes] uint8),
-        the rows un-permuted for q/k as `_read` does (a copy of the same size), every
-        other tensor a view of the memory map (nothing read until it is used). None for
-        1-D tensors (a family's gguf_tensor_transform touches only those)."""
+    def type_counts(self) -> list[tuple[str, int, int, int]]:
+        """(GGML type, tensors, weights, bytes) per type in the file, most bytes first."""
+        totals: dict[str, list[int]] = {}
+        seen: set[str] = set()
+        for tensor in self._tensors.values():  # experts' views of a stacked tensor: one
+            name = tensor.name.split("[")[0]
+            row = totals.setdefault(tensor.tensor_type.name, [0, 0, 0])
+            row[0] += name not in seen
+            seen.add(name)
+            row[1] += int(tensor.n_elements)
+            row[2] += int(tensor.n_bytes)
+        return sorted(((k, *v) for k, v in totals.items()), key=lambda r: -r[3])
+
+    def quantized(self) -> bool:
+        """Whether any weight is stored in a quantized GGML type (not F32, F16 or BF16)."""
+        plain = (*_UNBLOCKED, GGMLQuantizationType.BF16)
+        return any(t.tensor_type not in plain for t in self._tensors.values())
+
+    def blocks(self, name: str) -> tuple[int, torch.Tensor, torch.Tensor | None] | None:
+        """A 2-D weight as the file stores it: GGML type id, [rows, row_bytes] uint8 (a view
+        of the memory map: nothing is read until it is used), and for q/k the stored row
+        of each row in the model's order (llama.cpp's permutation moves whole rows, so a
+        row's blocks stay as they are), else None. None for 1-D tensors (a family's
+        gguf_tensor_transform touches only those)."""
         tensor = self._tensors[name]
-        if len(_torch_shape(tensor)) != 2:
+        shape = _torch_shape(tensor)
+        if len(shape) != 2:
             return None
-        data = np.asarray(tensor.data).view(np.uint8)
-        rows = _torch_shape(tensor)[0]
-        data = data.reshape(rows, -1)
+        data = np.asarray(tensor.data).view(np.uint8).reshape(shape[0], -1)
         heads = self._rope_heads(name)
-        if heads:  # whole rows move: a row's blocks stay as they are
-            data = data[_unpermute_rope_rows(np.arange(rows), heads)]
+        index = None
+        if heads:
+            order = _unpermute_rope_rows(np.arange(shape[0], dtype=np.int32), heads)
+            index = torch.from_numpy(order)
         with warnings.catch_warnings():  # the map is read-only, and never written
             warnings.simplefilter("ignore", UserWarning)
-            return int(tensor.tensor_type), torch.from_numpy(data)
+            return int(tensor.tensor_type), torch.from_numpy(data), index
 
     def _rows_per_piece(self, name: str) -> int:
         rows = super()._rows_per_piece(name)

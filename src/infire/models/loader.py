@@ -12,6 +12,8 @@ come from safetensors or GGUF only.
 from __future__ import annotations
 
 import importlib.util
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from infire.models.checkpoint import (
     open_checkpoint,
     read_hf_config,
 )
+from infire.models.gguf import GGUFSource
 from infire.models.weights import WeightSource
 from infire.tokenizer import Tokenizer
 from infire.unweight import UnweightError
@@ -65,6 +68,35 @@ def load_model(model: str | Path | None, dtype: torch.dtype) -> LoadedModel:
     config, weights, tokenizer = _open(path, dtype)
     name = path.stem if path.is_file() else path.name
     return LoadedModel(config, weights, tokenizer, name, palette=_palette_folder(path))
+
+
+QUANTIZATIONS = ("auto", "none")
+
+
+def gguf_blocks(loaded: LoadedModel, quantization: str) -> Callable | None:
+    """GGUFSource.blocks of a quantized GGUF to serve as its blocks (`quantization` auto),
+    else None: the weights are dequantized to the serving dtype."""
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                             f"not {quantization!r}")  # fmt: skip
+    source = loaded.weights
+    if quantization == "none" or not isinstance(source, GGUFSource) or not source.quantized():
+        return None
+    return source.blocks
+
+
+def weight_bytes(loaded: LoadedModel, dtype: torch.dtype, quantization: str) -> int:
+    """Bytes the weights take once served: a quantized GGUF's stored blocks (`quantization`
+    auto; its 1-D tensors at `dtype`), else every tensor at `dtype`."""
+    blocks = gguf_blocks(loaded, quantization)
+    total = 0
+    for name in loaded.weights.names():
+        stored = blocks(name) if blocks is not None else None
+        if stored is None:
+            total += math.prod(loaded.weights.shape(name)) * dtype.itemsize
+        else:
+            total += stored[1].numel() + (0 if stored[2] is None else stored[2].numel() * 4)
+    return total
 
 
 def load_original(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:

@@ -1,0 +1,311 @@
+"""Quantized GGUF files served as their blocks: infire against llama.cpp on the same file,
+with the same threads, in one run.
+
+Files:
+- SmolLM2-135M-Instruct Q4_1 (the default model: Q4_1 layers, a Q8_0 embedding and head);
+- a 0.54B Llama-shaped model (32 layers, hidden 1024, GQA 16/4, intermediate 4096,
+  SmolLM2's vocabulary, tied head) with random weights, written in F16 and quantized to
+  Q4_K_M by llama.cpp's own quantizer. No Q4_K_M model of 0.5B or more installs from this
+  machine's package index (the one GGUF package is Gemma 3 270M, whose sliding windows run
+  the PyTorch path), so the file is built here; speed and memory do not depend on the
+  weights' values. It is cached under benchmarks/results/ (never committed).
+
+Each (file, engine) runs in a fresh process: infire through `infire.LLM` (quantization
+auto, dtype auto), llama.cpp through llama-cpp-python's C API in `.bench-venv`. Measures:
+- batch-1 decode tok/s: 128 greedy tokens after a 16-token prompt, the prompt's step
+  excluded;
+- prefill tok/s: one 512-token prompt to its first token;
+- batch-32 throughput: 32 prompts of 16 tokens, 64 tokens each, generated together
+  (llama.cpp: one llama_batch of 32 sequences a step, as its `batched` example);
+- peak RSS above the process's baseline (VmHWM minus the resident set after imports);
+- the roofline fraction of batch-1 decode: the bytes a token reads (the weights' blocks;
+  the KV of a short context is negligible) times tok/s, over this machine's read
+  bandwidth (a 400 MB torch sum on the same threads).
+
+Results go to benchmarks/results/gguf.json and docs/benchmarks-gguf.png.
+
+    .venv/bin/python benchmarks/bench_gguf.py            # ~6 minutes on 2 cores
+    .venv/bin/python benchmarks/bench_gguf.py --quick    # SmolLM2 only, fewer tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+PEER_PYTHON = ROOT / ".bench-venv" / "bin" / "python"
+THREADS = 2
+PROMPT, DECODE, PREFILL, BATCH, BATCH_TOKENS = 16, 128, 512, 32, 64
+SHAPE = {"layers": 32, "hidden": 1024, "heads": 16, "kv_heads": 4, "intermediate": 4096}
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+
+def _context(sizes: dict) -> int:
+    """Tokens of KV both engines reserve: the batch-32 run's, or the long prompt's."""
+    return max(sizes["prefill"] + 16, sizes["batch"] * (sizes["prompt"] + sizes["batch_tokens"]))
+
+
+def _prompts(count: int, length: int, vocab: int) -> list[list[int]]:
+    return [[(97 * i + 31 * j) % (vocab - 300) + 200 for j in range(length)] for i in range(count)]
+
+
+# --- the engines, each run in a child process ----------------------------------------
+
+
+def run_infire(path: str, sizes: dict) -> dict:
+    from infire import LLM, SamplingParams
+
+    base = _status("VmRSS")
+    start = time.perf_counter()
+    blocks = -(-_context(sizes) // 16)  # the KV llama.cpp reserves (both bf16/f16)
+    llm = LLM(path, num_blocks=blocks, max_num_seqs=sizes["batch"])
+    load = time.perf_counter() - start
+    vocab = llm.engine.model_config.vocab_size
+
+    def timed(prompts: list[list[int]], tokens: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        return time.perf_counter() - start
+
+    prompt = _prompts(1, sizes["prompt"], vocab)
+    timed(prompt, 4)  # warm up (the kernel library, the pools)
+    decode = sizes["decode"] / (timed(prompt, sizes["decode"] + 1) - timed(prompt, 1))
+    prefill = sizes["prefill"] / timed(_prompts(1, sizes["prefill"], vocab), 1)
+    batch = _prompts(sizes["batch"], sizes["prompt"], vocab)
+    throughput = sizes["batch"] * sizes["batch_tokens"] / timed(batch, sizes["batch_tokens"])
+    return {"load_s": load, "decode": decode, "prefill": prefill, "batch": throughput,
+            "rss": _status("VmHWM") - base, "status": llm.engine.runner.fused_status}  # fmt: skip
+
+
+def run_llamacpp(path: str, sizes: dict) -> dict:
+    import ctypes
+
+    import llama_cpp as lc
+    import numpy as np
+
+    base = _status("VmRSS")
+    start = time.perf_counter()
+    lc.llama_backend_init()
+    model = lc.llama_model_load_from_file(path.encode(), lc.llama_model_default_params())
+    params = lc.llama_context_default_params()
+    params.n_ctx = _context(sizes)
+    params.n_batch = params.n_ubatch = 512
+    params.n_seq_max = sizes["batch"]
+    params.kv_unified = True  # one KV buffer the sequences share, as infire's block pool
+    params.n_threads = params.n_threads_batch = THREADS
+    ctx = lc.llama_init_from_model(model, params)
+    load = time.perf_counter() - start
+    vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    batch = lc.llama_batch_init(512, 0, sizes["batch"])
+
+    def decode(items: list[tuple[int, int, int, bool]]) -> list[int]:
+        """Run (token, position, sequence, wants logits) items; greedy next tokens."""
+        out = []
+        for first in range(0, len(items), 512):
+            part = items[first : first + 512]
+            batch.n_tokens = len(part)
+            for i, (token, pos, seq, logits) in enumerate(part):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+                batch.seq_id[i][0], batch.logits[i] = seq, logits
+            if lc.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            for i, item in enumerate(part):
+                if item[3]:
+                    row = lc.llama_get_logits_ith(ctx, i)
+                    values = np.ctypeslib.as_array(
+                        ctypes.cast(row, ctypes.POINTER(ctypes.c_float)), (vocab,)
+                    )
+                    out.append(int(values.argmax()))
+        return out
+
+    def generate(prompts: list[list[int]], tokens: int) -> float:
+        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+        start = time.perf_counter()
+        items = [(t, j, s, j == len(p) - 1) for s, p in enumerate(prompts) for j, t in enumerate(p)]
+        last = decode(items)
+        for step in range(tokens - 1):
+            last = decode([(t, len(prompts[s]) + step, s, True) for s, t in enumerate(last)])
+        return time.perf_counter() - start
+
+    prompt = _prompts(1, sizes["prompt"], vocab)
+    generate(prompt, 4)
+    rate = sizes["decode"] / (generate(prompt, sizes["decode"] + 1) - generate(prompt, 1))
+    prefill = sizes["prefill"] / generate(_prompts(1, sizes["prefill"], vocab), 1)
+    prompts = _prompts(sizes["batch"], sizes["prompt"], vocab)
+    throughput = sizes["batch"] * sizes["batch_tokens"] / generate(prompts, sizes["batch_tokens"])
+    result = {"load_s": load, "decode": rate, "prefill": prefill, "batch": throughput,
+              "rss": _status("VmHWM") - base, "status": "llama-cpp-python " + lc.__version__}  # fmt: skip
+    lc.llama_batch_free(batch)
+    lc.llama_free(ctx)
+    lc.llama_model_free(model)
+    return result
+
+
+# --- the files -------------------------------------------------------------------------
+
+
+def random_q4_k_m(out: Path) -> Path:
+    """The 0.54B random Llama as Q4_K_M (built once: F16 by the gguf package, then
+    llama.cpp's quantizer in the peer venv)."""
+    if out.exists():
+        return out
+    import gguf
+    import numpy as np
+
+    from infire.models.loader import default_model_path
+
+    f16 = out.with_suffix(".f16.gguf")
+    source = gguf.GGUFReader(default_model_path())
+    writer = gguf.GGUFWriter(str(f16), "llama")
+    for key, field in source.fields.items():
+        if key.startswith("tokenizer.") or key == "general.name":
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub)
+    s, vocab = SHAPE, len(source.fields["tokenizer.ggml.tokens"].data)
+    head = s["hidden"] // s["heads"]
+    writer.add_block_count(s["layers"])
+    writer.add_context_length(4096)
+    writer.add_embedding_length(s["hidden"])
+    writer.add_feed_forward_length(s["intermediate"])
+    writer.add_head_count(s["heads"])
+    writer.add_head_count_kv(s["kv_heads"])
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    rng = np.random.default_rng(0)
+
+    def weight(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * cols**-0.5).astype(np.float16)
+
+    writer.add_tensor("token_embd.weight", weight(vocab, s["hidden"]))
+    writer.add_tensor("output_norm.weight", np.ones(s["hidden"], dtype=np.float32))
+    kv = s["kv_heads"] * head
+    for i in range(s["layers"]):
+        for name, shape in (("attn_q", (s["hidden"], s["hidden"])), ("attn_k", (kv, s["hidden"])),
+                            ("attn_v", (kv, s["hidden"])), ("attn_output", (s["hidden"], s["hidden"])),
+                            ("ffn_gate", (s["intermediate"], s["hidden"])),
+                            ("ffn_up", (s["intermediate"], s["hidden"])),
+                            ("ffn_down", (s["hidden"], s["intermediate"]))):  # fmt: skip
+            writer.add_tensor(f"blk.{i}.{name}.weight", weight(*shape))
+        for name in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{name}.weight", np.ones(s["hidden"], dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    quantize = (
+        "import llama_cpp as lc, sys\n"
+        "p = lc.llama_model_quantize_default_params()\n"
+        f"p.ftype = lc.LLAMA_FTYPE_MOSTLY_Q4_K_M\np.nthread = {THREADS}\n"
+        "sys.exit(lc.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))\n"
+    )
+    subprocess.run([str(PEER_PYTHON), "-c", quantize, str(f16), str(out)], check=True)
+    f16.unlink()
+    return out
+
+
+def read_bandwidth() -> float:
+    """Bytes per second a 400 MB sum reads on THREADS threads (the decode roofline)."""
+    import torch
+
+    torch.set_num_threads(THREADS)
+    data = torch.ones(100_000_000, dtype=torch.float32)
+    data.sum()
+    start = time.perf_counter()
+    for _ in range(5):
+        data.sum()
+    return 5 * data.numel() * 4 / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="SmolLM2 only, fewer tokens")
+    parser.add_argument("--child", nargs=3, metavar=("ENGINE", "FILE", "SIZES"),
+                        help=argparse.SUPPRESS)  # fmt: skip
+    args = parser.parse_args()
+    if args.child:
+        engine, path, sizes = args.child
+        run = run_infire if engine == "infire" else run_llamacpp
+        print(json.dumps(run(path, json.loads(sizes))))
+        return
+    sys.path.insert(0, str(Path(__file__).parent))
+    from machine_load import wait_until_idle
+
+    from infire.bench.plot import save
+    from infire.models.gguf import load_gguf
+    from infire.models.loader import default_model_path
+
+    sizes = {"prompt": PROMPT, "decode": DECODE, "prefill": PREFILL, "batch": BATCH,
+             "batch_tokens": BATCH_TOKENS}  # fmt: skip
+    files = {"SmolLM2-135M Q4_1": default_model_path()}
+    if args.quick:
+        sizes.update(decode=32, prefill=128, batch=8, batch_tokens=16)
+    else:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        files["Llama 0.54B Q4_K_M (random)"] = random_q4_k_m(RESULTS / "llama-0.54b-q4_k_m.gguf")
+    bandwidth = read_bandwidth()
+    results: dict = {"bandwidth_gbs": bandwidth / 1e9, "sizes": sizes, "files": {}}
+    for label, path in files.items():
+        _, weights, _ = load_gguf(path, __import__("torch").bfloat16)
+        stored = sum(size for _, _, _, size in weights.type_counts())
+        row = results["files"][label] = {"file_bytes": path.stat().st_size, "weights_bytes": stored}
+        for engine, python in (("infire", sys.executable), ("llama.cpp", str(PEER_PYTHON))):
+            wait_until_idle([], 0.15, 60)
+            out = subprocess.run([python, __file__, "--child", engine, str(path), json.dumps(sizes)],
+                                 capture_output=True, text=True, check=True)  # fmt: skip
+            row[engine] = json.loads(out.stdout.strip().splitlines()[-1])
+            row[engine]["roofline"] = stored * row[engine]["decode"] / bandwidth
+            print(label, engine, json.dumps(row[engine]), flush=True)
+    (RESULTS / "gguf.json").write_text(json.dumps(results, indent=2))
+    print(f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s on {THREADS} threads\n")
+    print(
+        "| file | engine | decode tok/s | prefill tok/s | batch-32 tok/s | peak RSS MB | roofline |"
+    )
+    print("|---|---|--:|--:|--:|--:|--:|")
+    for label, row in results["files"].items():
+        for engine in ("infire", "llama.cpp"):
+            r = row[engine]
+            print(f"| {label} | {engine} | {r['decode']:.1f} | {r['prefill']:.1f} | "
+                  f"{r['batch']:.1f} | {r['rss'] / 2**20:.0f} | {r['roofline']:.0%} |")  # fmt: skip
+        a, b = row["infire"], row["llama.cpp"]
+        print(f"| {label} | **ratio** | {a['decode'] / b['decode']:.2f}x | "
+              f"{a['prefill'] / b['prefill']:.2f}x | {a['batch'] / b['batch']:.2f}x | "
+              f"{a['rss'] / b['rss']:.2f}x | |")  # fmt: skip
+    plot(results, save)
+
+
+def plot(results: dict, save: object) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measures = [("decode", "batch-1 decode"), ("prefill", "prefill"), ("batch", "batch-32"),
+                ("rss", "peak RSS (lower is better)")]  # fmt: skip
+    figure, axes = plt.subplots(1, len(results["files"]), figsize=(6 * len(results["files"]), 4),
+                                squeeze=False)  # fmt: skip
+    for ax, (label, row) in zip(axes[0], results["files"].items(), strict=True):
+        ratios = [row["infire"][k] / row["llama.cpp"][k] for k, _ in measures]
+        ax.bar([name for _, name in measures], ratios, color=["C0", "C0", "C0", "C1"])
+        ax.axhline(1.0, color="gray", linewidth=1)
+        ax.set_title(label)
+        ax.set_ylabel("infire / llama.cpp")
+        ax.tick_params(axis="x", labelsize=8)
+        for i, value in enumerate(ratios):
+            ax.text(i, value, f"{value:.2f}x", ha="center", va="bottom", fontsize=8)
+    figure.tight_layout()
+    save(figure, ROOT / "docs" / "benchmarks-gguf.png")
+
+
+if __name__ == "__main__":
+    main()
