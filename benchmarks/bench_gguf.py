@@ -11,13 +11,16 @@ Files:
   weights' values. It is cached under benchmarks/results/ (never committed).
 
 Each (file, engine) runs in a fresh process: infire through `infire.LLM` (quantization
-auto, dtype auto), llama.cpp through llama-cpp-python's C API in `.bench-venv`. Measures:
+auto, dtype auto), once with the CPU's best integer products and once with AVX2's (the
+`.bench-venv` llama.cpp is built without AVX-512), and llama.cpp through
+llama-cpp-python's C API in `.bench-venv`. Measures:
 - batch-1 decode tok/s: 128 greedy tokens after a 16-token prompt, the prompt's step
   excluded;
 - prefill tok/s: one 512-token prompt to its first token;
 - batch-32 throughput: 32 prompts of 16 tokens, 64 tokens each, generated together
   (llama.cpp: one llama_batch of 32 sequences a step, as its `batched` example);
-- peak RSS above the process's baseline (VmHWM minus the resident set after imports);
+- peak RSS above the process's baseline (VmHWM minus the resident set after imports),
+  with the same KV reservation (the larger run's tokens, bf16 / f16);
 - the roofline fraction of batch-1 decode: the bytes a token reads (the weights' blocks;
   the KV of a short context is negligible) times tok/s, over this machine's read
   bandwidth (a 400 MB torch sum on the same threads).
@@ -41,6 +44,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 PEER_PYTHON = ROOT / ".bench-venv" / "bin" / "python"
 THREADS = 2
+# infire with the CPU's best products (AVX512-VNNI here), and with AVX2's: the llama.cpp
+# build in .bench-venv is AVX2-only (docs/benchmarks.md), so the second compares like ISAs
+ENGINES = {"infire": None, "infire (AVX2)": "avx2"}
 PROMPT, DECODE, PREFILL, BATCH, BATCH_TOKENS = 16, 128, 512, 32, 64
 SHAPE = {"layers": 32, "hidden": 1024, "heads": 16, "kv_heads": 4, "intermediate": 4096}
 
@@ -62,8 +68,11 @@ def _prompts(count: int, length: int, vocab: int) -> list[list[int]]:
 # --- the engines, each run in a child process ----------------------------------------
 
 
-def run_infire(path: str, sizes: dict) -> dict:
+def run_infire(path: str, sizes: dict, isa: str | None = None) -> dict:
     from infire import LLM, SamplingParams
+    from infire.kernels.cpu_forward import quant_isa
+
+    isa = quant_isa(isa)  # the products' instruction set: the CPU's best, or the one asked
 
     base = _status("VmRSS")
     start = time.perf_counter()
@@ -85,7 +94,7 @@ def run_infire(path: str, sizes: dict) -> dict:
     batch = _prompts(sizes["batch"], sizes["prompt"], vocab)
     throughput = sizes["batch"] * sizes["batch_tokens"] / timed(batch, sizes["batch_tokens"])
     return {"load_s": load, "decode": decode, "prefill": prefill, "batch": throughput,
-            "rss": _status("VmHWM") - base, "status": llm.engine.runner.fused_status}  # fmt: skip
+            "rss": _status("VmHWM") - base, "status": f"{llm.engine.runner.fused_status}, {isa}"}  # fmt: skip
 
 
 def run_llamacpp(path: str, sizes: dict) -> dict:
@@ -235,8 +244,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         engine, path, sizes = args.child
-        run = run_infire if engine == "infire" else run_llamacpp
-        print(json.dumps(run(path, json.loads(sizes))))
+        if engine == "llama.cpp":
+            print(json.dumps(run_llamacpp(path, json.loads(sizes))))
+        else:
+            print(json.dumps(run_infire(path, json.loads(sizes), ENGINES[engine])))
         return
     sys.path.insert(0, str(Path(__file__).parent))
     from machine_load import wait_until_idle
@@ -259,7 +270,8 @@ def main() -> None:
         _, weights, _ = load_gguf(path, __import__("torch").bfloat16)
         stored = sum(size for _, _, _, size in weights.type_counts())
         row = results["files"][label] = {"file_bytes": path.stat().st_size, "weights_bytes": stored}
-        for engine, python in (("infire", sys.executable), ("llama.cpp", str(PEER_PYTHON))):
+        runs = [(name, sys.executable) for name in ENGINES] + [("llama.cpp", str(PEER_PYTHON))]
+        for engine, python in runs:
             wait_until_idle([], 0.15, 60)
             out = subprocess.run([python, __file__, "--child", engine, str(path), json.dumps(sizes)],
                                  capture_output=True, text=True, check=True)  # fmt: skip
@@ -273,14 +285,16 @@ def main() -> None:
     )
     print("|---|---|--:|--:|--:|--:|--:|")
     for label, row in results["files"].items():
-        for engine in ("infire", "llama.cpp"):
+        for engine in (*ENGINES, "llama.cpp"):
             r = row[engine]
             print(f"| {label} | {engine} | {r['decode']:.1f} | {r['prefill']:.1f} | "
                   f"{r['batch']:.1f} | {r['rss'] / 2**20:.0f} | {r['roofline']:.0%} |")  # fmt: skip
-        a, b = row["infire"], row["llama.cpp"]
-        print(f"| {label} | **ratio** | {a['decode'] / b['decode']:.2f}x | "
-              f"{a['prefill'] / b['prefill']:.2f}x | {a['batch'] / b['batch']:.2f}x | "
-              f"{a['rss'] / b['rss']:.2f}x | |")  # fmt: skip
+        b = row["llama.cpp"]
+        for engine in ENGINES:
+            a = row[engine]
+            print(f"| {label} | **{engine} / llama.cpp** | {a['decode'] / b['decode']:.2f}x | "
+                  f"{a['prefill'] / b['prefill']:.2f}x | {a['batch'] / b['batch']:.2f}x | "
+                  f"{a['rss'] / b['rss']:.2f}x | |")  # fmt: skip
     plot(results, save)
 
 
@@ -295,14 +309,20 @@ def plot(results: dict, save: object) -> None:
     figure, axes = plt.subplots(1, len(results["files"]), figsize=(6 * len(results["files"]), 4),
                                 squeeze=False)  # fmt: skip
     for ax, (label, row) in zip(axes[0], results["files"].items(), strict=True):
-        ratios = [row["infire"][k] / row["llama.cpp"][k] for k, _ in measures]
-        ax.bar([name for _, name in measures], ratios, color=["C0", "C0", "C0", "C1"])
+        names = [name for _, name in measures]
+        width = 0.4
+        for i, engine in enumerate(ENGINES):
+            ratios = [row[engine][k] / row["llama.cpp"][k] for k, _ in measures]
+            at = [j + (i - 0.5) * width for j in range(len(names))]
+            ax.bar(at, ratios, width, label=engine, color=f"C{i}")
+            for x, value in zip(at, ratios, strict=True):
+                ax.text(x, value, f"{value:.2f}", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(names)), names)
         ax.axhline(1.0, color="gray", linewidth=1)
         ax.set_title(label)
         ax.set_ylabel("infire / llama.cpp")
         ax.tick_params(axis="x", labelsize=8)
-        for i, value in enumerate(ratios):
-            ax.text(i, value, f"{value:.2f}x", ha="center", va="bottom", fontsize=8)
+        ax.legend(fontsize=8)
     figure.tight_layout()
     save(figure, ROOT / "docs" / "benchmarks-gguf.png")
 

@@ -681,8 +681,9 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--against", help="the original folder or GGUF to compare with")
     verify.set_defaults(func=cmd_verify)
     inspect = commands.add_parser(
-        "inspect", help="Unweight: sizes, ratios and entropy bounds per tensor; GGUF: tensor "
-        "types and resident size"
+        "inspect",
+        help="Unweight: sizes, ratios and entropy bounds per tensor; GGUF: tensor "
+        "types and resident size",
     )
     inspect.add_argument("path", help="compressed folder, or a .gguf file")
     inspect.set_defaults(func=cmd_inspect)

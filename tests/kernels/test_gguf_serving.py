@@ -90,6 +90,23 @@ def test_a_k_quant_model_gives_its_dequantized_twins_tokens(k_quant_gguf: Path) 
     print("per prompt:", verdicts)
 
 
+def test_batching_chunking_and_the_prefix_cache_change_no_token(k_quant_gguf: Path) -> None:
+    """The blocks path computes each (row, token) product the same way in any batch: one
+    request at a time equals all at once under a 16-token step budget (chunked prefill)
+    with a shared prefix (a prefix-cache hit), token for token."""
+    shared = [(13 * j) % 200 + 3 for j in range(40)]
+    prompts = [shared + [7, 8], shared + [9], [5] * 3, list(range(20, 57))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(str(k_quant_gguf), dtype="float32", num_blocks=64) as llm:
+        alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    with LLM(str(k_quant_gguf), dtype="float32", num_blocks=64,
+             max_num_batched_tokens=16) as llm:  # fmt: skip
+        together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert llm.engine.stats.prefix_cache_hits > 0
+        assert "GGUF blocks" in llm.engine.runner.fused_status
+    assert together == alone
+
+
 def test_a_mixtral_gguf_serves_its_experts_as_blocks(tmp_path: Path) -> None:
     """Routed experts (stacked [experts, out, in] tensors) as blocks: each expert's
     gate|up and down are QuantWeights of their rows."""

@@ -611,7 +611,11 @@ static inline long value_offset(int type, long i) {
     return 0;
 }
 
-#define PREFETCH_VALUES 2048 /* how far ahead of the products a row is fetched */
+#define PREFETCH_VALUES 8192 /* how far ahead of the products a row is fetched */
+
+/* The byte of a row's blocks at value `i`, in proportion (a prefetch's address: every
+ * cache line of a block gets one, not only the block's first). */
+static inline long value_byte(int type, long i) { return value_offset(type, 256 * i) / 256; }
 
 /* Blocks 2 h and 2 h + 1 of a row: 64 unsigned codes, and A and B for each 16. */
 static inline AVX512 __attribute__((always_inline)) __m512i unpack64(
@@ -633,6 +637,79 @@ static inline AVX512 __attribute__((always_inline)) __m512i unpack64(
     return _mm512_inserti64x4(_mm512_castsi256_si512(u0), u1, 1);
 }
 
+/* A K-quant block's scales, decoded once for its four 64-value steps: A and B per 32
+ * (Q4_K, Q5_K: a[j] for sub-block j) or per 16 (Q6_K: a[g] for group g). */
+typedef struct {
+    float a[16], b[16];
+} KScales;
+
+static inline AVX512 __attribute__((always_inline)) void k_scales(int type, const uint8_t *blk,
+                                                                  KScales *k) {
+    if (type == GGML_Q6_K) {
+        const __m512 d = _mm512_set1_ps(half(blk + 208));
+        __m512 a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                        _mm_loadu_si128((const __m128i *)(blk + 192)))));
+        _mm512_storeu_ps(k->a, a);
+        _mm512_storeu_ps(k->b, _mm512_mul_ps(_mm512_set1_ps(-32.0f), a));
+        return;
+    }
+    /* the 12 bytes of 8 6-bit scales and mins, as llama.cpp unpacks them */
+    uint32_t u[4];
+    memcpy(u, blk + 4, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+    uint32_t mins = u[1] & 0x3f3f3f3f;
+    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+    u[2] = mins;
+    u[0] &= 0x3f3f3f3f;
+    __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)u));
+    __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(u + 2)));
+    _mm256_storeu_ps(k->a, _mm256_mul_ps(_mm256_set1_ps(half(blk)), _mm256_cvtepi32_ps(codes)));
+    _mm256_storeu_ps(k->b, _mm256_sub_ps(_mm256_setzero_ps(),
+                                         _mm256_mul_ps(_mm256_set1_ps(half(blk + 2)),
+                                                       _mm256_cvtepi32_ps(m))));
+}
+
+/* A and B of step s's four 16-value groups. */
+static inline AVX512 __attribute__((always_inline)) void k_step_scales(int type, const KScales *k,
+                                                                       int s, __m128 *a, __m128 *b) {
+    if (type == GGML_Q6_K) {
+        *a = _mm_loadu_ps(k->a + 4 * s);
+        *b = _mm_loadu_ps(k->b + 4 * s);
+    } else { /* sub-blocks 2 s and 2 s + 1, each over two 16s */
+        __m128 a2 = _mm_castpd_ps(_mm_load_sd((const double *)(k->a + 2 * s)));
+        __m128 b2 = _mm_castpd_ps(_mm_load_sd((const double *)(k->b + 2 * s)));
+        *a = _mm_unpacklo_ps(a2, a2);
+        *b = _mm_unpacklo_ps(b2, b2);
+    }
+}
+
+/* Step s (values 64 s .. 64 s + 63) of a K-quant block: 64 codes. */
+static inline AVX512 __attribute__((always_inline)) __m512i k_codes(int type, const uint8_t *blk,
+                                                                    int s) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    if (type == GGML_Q6_K) {
+        int hh = s / 2, k = (s % 2) * 2;
+        __m512i l = _mm512_loadu_si512(blk + 64 * hh);
+        l = _mm512_and_si512(_mm512_srli_epi16(l, 4 * (s % 2)), _mm512_set1_epi8(0x0F));
+        __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * hh));
+        const __m256i three = _mm256_set1_epi8(3);
+        __m256i q0 = _mm256_and_si256(_mm256_srli_epi16(q, 2 * k), three);
+        __m256i q1 = _mm256_and_si256(_mm256_srli_epi16(q, 2 * k + 2), three);
+        __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);
+        return _mm512_or_si512(l, _mm512_slli_epi16(h, 4));
+    }
+    int five = type == GGML_Q5_K;
+    __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * five + 32 * s));
+    __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    if (five) {
+        const __m256i one = _mm256_set1_epi8(1);
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), one), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * s + 1), one), 4));
+    }
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
 static inline AVX512 __attribute__((always_inline)) void rows_dots_q512_typed(
     const int type, const uint8_t *row0, const uint8_t *row1, int cols, int nt, const int8_t *q,
     const float *scale, const float *xsum, float *out0, float *out1) {
@@ -645,13 +722,32 @@ static inline AVX512 __attribute__((always_inline)) void rows_dots_q512_typed(
         acc0[t] = acc1[t] = _mm512_setzero_ps();
         off0[t] = off1[t] = _mm_setzero_ps();
     }
+    const int k_quant = type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K;
+    const long k_bytes = value_offset(type, 256);
+    KScales k0, k1;
     for (int h = 0; h < steps; h++) {
-        _mm_prefetch((const char *)row0 + value_offset(type, 64L * h + PREFETCH_VALUES), _MM_HINT_T0);
+        _mm_prefetch((const char *)row0 + value_byte(type, 64L * h + PREFETCH_VALUES), _MM_HINT_T0);
         if (row1)
-            _mm_prefetch((const char *)row1 + value_offset(type, 64L * h + PREFETCH_VALUES), _MM_HINT_T0);
+            _mm_prefetch((const char *)row1 + value_byte(type, 64L * h + PREFETCH_VALUES), _MM_HINT_T0);
         __m128 a0, b0, a1 = _mm_setzero_ps(), b1 = a1;
-        __m512i u0 = unpack64(type, row0, h, blocks, &a0, &b0), u1 = u0;
-        if (row1) u1 = unpack64(type, row1, h, blocks, &a1, &b1);
+        __m512i u0, u1;
+        if (k_quant) { /* a whole block's scales at its first step, then 64 codes a step */
+            const int s = h % 4;
+            const uint8_t *blk0 = row0 + k_bytes * (h / 4), *blk1 = row1 + k_bytes * (h / 4);
+            if (s == 0) {
+                k_scales(type, blk0, &k0);
+                if (row1) k_scales(type, blk1, &k1);
+            }
+            u0 = u1 = k_codes(type, blk0, s);
+            k_step_scales(type, &k0, s, &a0, &b0);
+            if (row1) {
+                u1 = k_codes(type, blk1, s);
+                k_step_scales(type, &k1, s, &a1, &b1);
+            }
+        } else {
+            u0 = u1 = unpack64(type, row0, h, blocks, &a0, &b0);
+            if (row1) u1 = unpack64(type, row1, h, blocks, &a1, &b1);
+        }
         for (int t = 0; t < nt; t++) {
             __m512i x = _mm512_loadu_si512(q + (long)t * qs + 64 * h);
             __m128 dx = _mm_loadu_ps(scale + (long)t * xs_stride + 4 * h);
