@@ -124,10 +124,9 @@ def _answer(target: Target) -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
-def _infire(upstream: FaultUpstream, folder: Path, src: Path | None = None) -> ServerProcess:
-    """`infire gateway` of this checkout, or (src) of another source tree."""
-    folder = folder / "before" if src else folder
-    folder.mkdir(exist_ok=True)
+def write_gateway_config(folder: Path, upstream: FaultUpstream) -> Path:
+    """The benchmark gateway's config in `folder`: token and admin checks, one provider,
+    prices (what a production gateway does per request)."""
     config = folder / "gateway.toml"
     config.write_text(f"""
 [store]
@@ -145,6 +144,14 @@ base_url = "{upstream.base_url}"
 input = 1.0
 output = 2.0
 """)  # fmt: skip
+    return config
+
+
+def _infire(upstream: FaultUpstream, folder: Path, src: Path | None = None) -> ServerProcess:
+    """`infire gateway` of this checkout, or (src) of another source tree."""
+    folder = folder / "before" if src else folder
+    folder.mkdir(exist_ok=True)
+    config = write_gateway_config(folder, upstream)
     port = free_port()
     command = [sys.executable, "-m", "infire.cli", "gateway", "--config", str(config),
                "--port", str(port)]  # fmt: skip

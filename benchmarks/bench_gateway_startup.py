@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import os
 import platform
@@ -38,6 +37,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "gateway"))
 
+from bench_gateway import KEY, write_gateway_config  # noqa: E402
 from fault_upstream import FaultUpstream  # noqa: E402
 
 from infire.serverproc import ServerProcess, free_port  # noqa: E402
@@ -46,7 +46,6 @@ RESULTS = ROOT / "benchmarks" / "results"
 BEFORE = "effc051"  # the last commit whose gateway imported the engine (issue 19)
 HEAVY = ("torch", "numpy", "tokenizers", "gguf", "fastapi", "pydantic")
 TARGETS = {"import_s": 0.3, "rss_start_mb": 80.0}  # issue 19's
-KEY = "sk-bench-0123456789abcdef"
 _IMPORT = f"""
 import sys, time
 start = time.perf_counter()
@@ -92,27 +91,6 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for process {pid}")
 
 
-def write_config(folder: Path, upstream: FaultUpstream) -> Path:
-    config = folder / "gateway.toml"
-    config.write_text(f"""
-[store]
-path = "gateway.db"
-[gateways.bench]
-authentication = true
-[server]
-admin_sha256 = "{hashlib.sha256(b"admin-" + KEY.encode()).hexdigest()}"
-[tokens.bench]
-sha256 = "{hashlib.sha256(KEY.encode()).hexdigest()}"
-[providers.up]
-kind = "openai"
-base_url = "{upstream.base_url}"
-[prices."up/fault-model"]
-input = 1.0
-output = 2.0
-""")  # fmt: skip
-    return config
-
-
 async def relay_requests(url: str, count: int, concurrency: int = 8) -> None:
     """count chat completions through the gateway, `concurrency` at a time."""
     body = {"model": "up/fault-model", "messages": [{"role": "user", "content": "hello there"}]}
@@ -149,7 +127,7 @@ def measure(label: str, src: Path, upstream: FaultUpstream, folder: Path,
     for i in range(args.starts):
         run_folder = folder / f"{label}-{i}"
         run_folder.mkdir(parents=True)
-        starts.append(start_run(src, write_config(run_folder, upstream), args.requests))
+        starts.append(start_run(src, write_gateway_config(run_folder, upstream), args.requests))
         print(f"{label}: start {i + 1}/{args.starts}: ready in {starts[-1][0]:.2f} s, "
               f"{starts[-1][1]:.1f} MB", file=sys.stderr)  # fmt: skip
     ready, at_start, after = (statistics.median(column) for column in zip(*starts, strict=True))
