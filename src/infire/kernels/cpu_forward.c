@@ -536,6 +536,95 @@ static inline __attribute__((always_inline)) __m256i unpack32(
     return _mm256_setzero_si256();
 }
 
+/* Where value `i` of a row's blocks starts (a constant type folds it to a multiply). */
+static inline long value_offset(int type, long i) {
+    switch (type) {
+    case GGML_Q8_0: return i / 32 * 34;
+    case GGML_Q4_0: return i / 32 * 18;
+    case GGML_Q4_1: return i / 32 * 20;
+    case GGML_Q5_0: return i / 32 * 22;
+    case GGML_Q5_1: return i / 32 * 24;
+    case GGML_Q4_K: return i / 256 * 144;
+    case GGML_Q5_K: return i / 256 * 176;
+    case GGML_Q6_K: return i / 256 * 210;
+    }
+    return 0;
+}
+
+#define PREFETCH_VALUES 8192 /* how far ahead of the products a row is fetched */
+
+/* The byte of a row's blocks at value `i`, in proportion (a prefetch's address: every
+ * cache line of a block gets one, not only the block's first). */
+static inline long value_byte(int type, long i) { return value_offset(type, 256 * i) / 256; }
+
+/* A K-quant block's scales, decoded once for the block: A and B per 32 (Q4_K, Q5_K:
+ * a[j] for sub-block j) or per 16 (Q6_K: a[g] for group g). */
+typedef struct {
+    float a[16], b[16];
+} KScales;
+
+static inline __attribute__((always_inline)) void k_scales(int type, const uint8_t *blk,
+                                                           KScales *k) {
+    if (type == GGML_Q6_K) {
+        const __m256 d = _mm256_set1_ps(half(blk + 208));
+        for (int h = 0; h < 2; h++) {
+            __m256 a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                            _mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * h)))));
+            _mm256_storeu_ps(k->a + 8 * h, a);
+            _mm256_storeu_ps(k->b + 8 * h, _mm256_mul_ps(_mm256_set1_ps(-32.0f), a));
+        }
+        return;
+    }
+    /* the 12 bytes of 8 6-bit scales and mins, as llama.cpp unpacks them */
+    uint32_t u[4];
+    memcpy(u, blk + 4, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+    uint32_t mins = u[1] & 0x3f3f3f3f;
+    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+    u[2] = mins;
+    u[0] &= 0x3f3f3f3f;
+    __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)u));
+    __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(u + 2)));
+    _mm256_storeu_ps(k->a, _mm256_mul_ps(_mm256_set1_ps(half(blk)), _mm256_cvtepi32_ps(codes)));
+    _mm256_storeu_ps(k->b, _mm256_sub_ps(_mm256_setzero_ps(),
+                                         _mm256_mul_ps(_mm256_set1_ps(half(blk + 2)),
+                                                       _mm256_cvtepi32_ps(m))));
+}
+
+/* Sub-block j (32 codes) of a K-quant block. */
+static inline __attribute__((always_inline)) __m256i k_codes32(int type, const uint8_t *blk,
+                                                               int j) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    if (type == GGML_Q6_K) {
+        int hh = j / 4, k = j % 4;
+        __m256i l = _mm256_loadu_si256((const __m256i *)(blk + 64 * hh + 32 * (k % 2)));
+        __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * hh));
+        l = _mm256_and_si256(_mm256_srli_epi16(l, 4 * (k / 2)), low4);
+        q = _mm256_and_si256(_mm256_srli_epi16(q, 2 * k), _mm256_set1_epi8(3));
+        return _mm256_or_si256(l, _mm256_slli_epi16(q, 4));
+    }
+    int five = type == GGML_Q5_K;
+    __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * five + 32 * (j / 2)));
+    __m256i u = _mm256_and_si256(_mm256_srli_epi16(v, 4 * (j % 2)), low4);
+    if (five) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        h = _mm256_and_si256(_mm256_srli_epi16(h, j), _mm256_set1_epi8(1));
+        u = _mm256_or_si256(u, _mm256_slli_epi16(h, 4));
+    }
+    return u;
+}
+
+/* A and B of sub-block j's two 16s, from the block's decoded scales. */
+static inline __attribute__((always_inline)) void k_ab(int type, const KScales *k, int j,
+                                                       float ab[4]) {
+    if (type == GGML_Q6_K) {
+        ab[0] = k->a[2 * j], ab[1] = k->a[2 * j + 1], ab[2] = k->b[2 * j], ab[3] = k->b[2 * j + 1];
+    } else {
+        ab[0] = ab[1] = k->a[j];
+        ab[2] = ab[3] = k->b[j];
+    }
+}
+
 /* Products of rows `row0` and `row1` (of one type; row1 may be NULL) with `nt` tokens'
  * quantized activations (token t's codes at q + t * cols, its scales and offsets
  * likewise): each block is unpacked once and meets every token, and each (row, token) sum
@@ -551,10 +640,32 @@ static inline __attribute__((always_inline)) void rows_dots_q_typed(
         acc0[t] = acc1[t] = _mm256_setzero_ps();
         off0[t] = off1[t] = 0.0f;
     }
+    const int k_quant = type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K;
+    const long k_bytes = value_offset(type, 256);
+    KScales k0, k1;
     for (int b = 0; b < blocks; b++) {
+        _mm_prefetch((const char *)row0 + value_byte(type, 32L * b + PREFETCH_VALUES), _MM_HINT_T0);
+        if (row1)
+            _mm_prefetch((const char *)row1 + value_byte(type, 32L * b + PREFETCH_VALUES), _MM_HINT_T0);
         float ab0[4], ab1[4] = {0};
-        __m256i u0 = unpack32(type, row0, b, ab0), u1 = u0;
-        if (row1) u1 = unpack32(type, row1, b, ab1);
+        __m256i u0, u1;
+        if (k_quant) { /* a whole block's scales at its first sub-block */
+            const int j = b % 8;
+            const uint8_t *blk0 = row0 + k_bytes * (b / 8), *blk1 = row1 + k_bytes * (b / 8);
+            if (j == 0) {
+                k_scales(type, blk0, &k0);
+                if (row1) k_scales(type, blk1, &k1);
+            }
+            u0 = u1 = k_codes32(type, blk0, j);
+            k_ab(type, &k0, j, ab0);
+            if (row1) {
+                u1 = k_codes32(type, blk1, j);
+                k_ab(type, &k1, j, ab1);
+            }
+        } else {
+            u0 = u1 = unpack32(type, row0, b, ab0);
+            if (row1) u1 = unpack32(type, row1, b, ab1);
+        }
         __m256i m0 = is_signed ? _mm256_sign_epi8(u0, u0) : u0;
         __m256i m1 = is_signed ? _mm256_sign_epi8(u1, u1) : u1;
         for (int t = 0; t < nt; t++) {
@@ -596,27 +707,6 @@ static inline __attribute__((always_inline)) void rows_dots_q_typed(
  */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")))
 
-/* Where value `i` of a row's blocks starts (a constant type folds it to a multiply). */
-static inline long value_offset(int type, long i) {
-    switch (type) {
-    case GGML_Q8_0: return i / 32 * 34;
-    case GGML_Q4_0: return i / 32 * 18;
-    case GGML_Q4_1: return i / 32 * 20;
-    case GGML_Q5_0: return i / 32 * 22;
-    case GGML_Q5_1: return i / 32 * 24;
-    case GGML_Q4_K: return i / 256 * 144;
-    case GGML_Q5_K: return i / 256 * 176;
-    case GGML_Q6_K: return i / 256 * 210;
-    }
-    return 0;
-}
-
-#define PREFETCH_VALUES 8192 /* how far ahead of the products a row is fetched */
-
-/* The byte of a row's blocks at value `i`, in proportion (a prefetch's address: every
- * cache line of a block gets one, not only the block's first). */
-static inline long value_byte(int type, long i) { return value_offset(type, 256 * i) / 256; }
-
 /* Blocks 2 h and 2 h + 1 of a row: 64 unsigned codes, and A and B for each 16. */
 static inline AVX512 __attribute__((always_inline)) __m512i unpack64(
     int type, const uint8_t *row, int h, int blocks, __m128 *a, __m128 *b) {
@@ -635,38 +725,6 @@ static inline AVX512 __attribute__((always_inline)) __m512i unpack64(
     *a = _mm_setr_ps(lo[0], lo[1], hi[0], hi[1]);
     *b = _mm_setr_ps(lo[2], lo[3], hi[2], hi[3]);
     return _mm512_inserti64x4(_mm512_castsi256_si512(u0), u1, 1);
-}
-
-/* A K-quant block's scales, decoded once for its four 64-value steps: A and B per 32
- * (Q4_K, Q5_K: a[j] for sub-block j) or per 16 (Q6_K: a[g] for group g). */
-typedef struct {
-    float a[16], b[16];
-} KScales;
-
-static inline AVX512 __attribute__((always_inline)) void k_scales(int type, const uint8_t *blk,
-                                                                  KScales *k) {
-    if (type == GGML_Q6_K) {
-        const __m512 d = _mm512_set1_ps(half(blk + 208));
-        __m512 a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                        _mm_loadu_si128((const __m128i *)(blk + 192)))));
-        _mm512_storeu_ps(k->a, a);
-        _mm512_storeu_ps(k->b, _mm512_mul_ps(_mm512_set1_ps(-32.0f), a));
-        return;
-    }
-    /* the 12 bytes of 8 6-bit scales and mins, as llama.cpp unpacks them */
-    uint32_t u[4];
-    memcpy(u, blk + 4, 12);
-    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
-    uint32_t mins = u[1] & 0x3f3f3f3f;
-    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
-    u[2] = mins;
-    u[0] &= 0x3f3f3f3f;
-    __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)u));
-    __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(u + 2)));
-    _mm256_storeu_ps(k->a, _mm256_mul_ps(_mm256_set1_ps(half(blk)), _mm256_cvtepi32_ps(codes)));
-    _mm256_storeu_ps(k->b, _mm256_sub_ps(_mm256_setzero_ps(),
-                                         _mm256_mul_ps(_mm256_set1_ps(half(blk + 2)),
-                                                       _mm256_cvtepi32_ps(m))));
 }
 
 /* A and B of step s's four 16-value groups. */
