@@ -471,7 +471,8 @@ static inline __m256i bits_to_bytes(uint32_t bits) {
     return _mm256_and_si256(v, _mm256_set1_epi8(1));
 }
 
-/* Weight block g (32 values) of a row: codes u and A, B for each 16 (see above). */
+/* Weight block g (32 values) of a row of a legacy type: codes u and A, B for each 16
+ * (see above; the K-quants decode a whole block's scales at once: k_scales, k_codes32). */
 static inline __attribute__((always_inline)) __m256i unpack32(
     int type, const uint8_t *row, int g, float ab[4]) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -500,37 +501,6 @@ static inline __attribute__((always_inline)) __m256i unpack32(
             u = _mm256_or_si256(u, _mm256_slli_epi16(bits_to_bytes(qh), 4));
         }
         return u;
-    }
-    case GGML_Q4_K:
-    case GGML_Q5_K: {
-        int five = type == GGML_Q5_K, j = g % 8, sc, mn;
-        const uint8_t *blk = row + (five ? 176 : 144) * (g / 8);
-        scale_min_k4(blk + 4, j, &sc, &mn);
-        ab[0] = ab[1] = half(blk) * (float)sc;
-        ab[2] = ab[3] = -(half(blk + 2) * (float)mn);
-        __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * five + 32 * (j / 2)));
-        __m256i u = _mm256_and_si256(_mm256_srli_epi16(v, 4 * (j % 2)), low4);
-        if (five) {
-            __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 16));
-            h = _mm256_and_si256(_mm256_srli_epi16(h, j), _mm256_set1_epi8(1));
-            u = _mm256_or_si256(u, _mm256_slli_epi16(h, 4));
-        }
-        return u;
-    }
-    case GGML_Q6_K: {
-        const uint8_t *blk = row + 210 * (g / 8);
-        int c = g % 8, h = c / 4, k = c % 4;
-        float d = half(blk + 208);
-        const int8_t *scales = (const int8_t *)(blk + 192);
-        ab[0] = d * (float)scales[2 * c];
-        ab[1] = d * (float)scales[2 * c + 1];
-        ab[2] = -32.0f * ab[0];
-        ab[3] = -32.0f * ab[1];
-        __m256i l = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (k % 2)));
-        __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-        l = _mm256_and_si256(_mm256_srli_epi16(l, 4 * (k / 2)), low4);
-        q = _mm256_and_si256(_mm256_srli_epi16(q, 2 * k), _mm256_set1_epi8(3));
-        return _mm256_or_si256(l, _mm256_slli_epi16(q, 4));
     }
     }
     return _mm256_setzero_si256();
