@@ -527,6 +527,14 @@ static inline long value_offset(int type, long i) {
  * cache line of a block gets one, not only the block's first). */
 static inline long value_byte(int type, long i) { return value_offset(type, 256 * i) / 256; }
 
+/* Fetch both rows' blocks PREFETCH_VALUES ahead of value `at` (row1 may be NULL); inlined
+ * so that the type's block size folds to a constant. */
+static inline __attribute__((always_inline)) void prefetch_rows(
+    int type, const uint8_t *row0, const uint8_t *row1, long at) {
+    _mm_prefetch((const char *)row0 + value_byte(type, at + PREFETCH_VALUES), _MM_HINT_T0);
+    if (row1) _mm_prefetch((const char *)row1 + value_byte(type, at + PREFETCH_VALUES), _MM_HINT_T0);
+}
+
 /* A K-quant block's scales, decoded once for the block: A and B per 32 (Q4_K, Q5_K:
  * a[j] for sub-block j) or per 16 (Q6_K: a[g] for group g). */
 typedef struct {
@@ -614,9 +622,7 @@ static inline __attribute__((always_inline)) void rows_dots_q_typed(
     const long k_bytes = value_offset(type, 256);
     KScales k0, k1;
     for (int b = 0; b < blocks; b++) {
-        _mm_prefetch((const char *)row0 + value_byte(type, 32L * b + PREFETCH_VALUES), _MM_HINT_T0);
-        if (row1)
-            _mm_prefetch((const char *)row1 + value_byte(type, 32L * b + PREFETCH_VALUES), _MM_HINT_T0);
+        prefetch_rows(type, row0, row1, 32L * b);
         float ab0[4], ab1[4] = {0};
         __m256i u0, u1;
         if (k_quant) { /* a whole block's scales at its first sub-block */
@@ -754,9 +760,7 @@ static inline AVX512 __attribute__((always_inline)) void rows_dots_q512_typed(
     const long k_bytes = value_offset(type, 256);
     KScales k0, k1;
     for (int h = 0; h < steps; h++) {
-        _mm_prefetch((const char *)row0 + value_byte(type, 64L * h + PREFETCH_VALUES), _MM_HINT_T0);
-        if (row1)
-            _mm_prefetch((const char *)row1 + value_byte(type, 64L * h + PREFETCH_VALUES), _MM_HINT_T0);
+        prefetch_rows(type, row0, row1, 64L * h);
         __m128 a0, b0, a1 = _mm_setzero_ps(), b1 = a1;
         __m512i u0, u1;
         if (k_quant) { /* a whole block's scales at its first step, then 64 codes a step */
