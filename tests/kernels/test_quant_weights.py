@@ -1,7 +1,7 @@
 """GGUF blocks in the fused forward's kernel: every type decodes to exactly the values of
 the `gguf` package's dequantize (the reference), and the kernel's products equal NumPy's
-of the same arithmetic (int8 activations per 32 values for the quantized types) within
-float32 rounding, bit for bit the same whatever the batch."""
+of the same arithmetic (int8 activations per 32 values for the legacy types, per 256 for
+the K-quants) within float32 rounding, bit for bit the same whatever the batch."""
 
 from __future__ import annotations
 
@@ -62,10 +62,11 @@ def test_every_type_decodes_to_the_reference_bit_for_bit(qtype: T) -> None:
     assert np.array_equal(dequantize_rows(w, 7, 3, 512).numpy(), reference[7:10])
 
 
-def quantized_activations(x: np.ndarray) -> np.ndarray:
-    """x as the kernel quantizes it, per 32 values: codes rint(x / d), d = max|x| / 127
-    (float32 arithmetic, as the kernel's), returned as d * code."""
-    blocks = x.reshape(len(x), -1, 32).astype(np.float32)
+def quantized_activations(x: np.ndarray, block: int = 32) -> np.ndarray:
+    """x as the kernel quantizes it, per `block` values (32 for legacy types, 256 for
+    K-quants): codes rint(x / d), d = max|x| / 127 (float32 arithmetic, as the kernel's),
+    returned as d * code."""
+    blocks = x.reshape(len(x), -1, block).astype(np.float32)
     d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
     with np.errstate(divide="ignore"):
         inverse = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
@@ -103,7 +104,10 @@ def test_products_match_numpy_and_do_not_depend_on_the_batch(qtype: T, isa: str)
     w, reference = weight(values, qtype)
     x = rng.standard_normal((37, values.shape[1])).astype(np.float32)
     y = quant_linear(w, torch.from_numpy(x)).numpy()
-    xs = x.astype(np.float64) if qtype in (T.F32, T.F16, T.BF16) else quantized_activations(x)
+    if qtype in (T.F32, T.F16, T.BF16):
+        xs = x.astype(np.float64)
+    else:
+        xs = quantized_activations(x, 256 if qtype in K_QUANTS else 32)
     exact = xs @ reference.astype(np.float64).T
     bound = TOLERANCE * (np.abs(xs) @ np.abs(reference.astype(np.float64)).T) + 1e-30
     assert np.all(np.abs(y - exact) <= bound), np.abs(y - exact).max()
@@ -135,7 +139,7 @@ def test_a_weight_of_parts_with_different_types_and_a_row_order() -> None:
     assert np.array_equal(dequantize_rows(w, 0, 32, 256).numpy(), reference)
     x = rng.standard_normal((3, 256)).astype(np.float32)
     y = quant_linear(w, torch.from_numpy(x)).numpy()
-    assert np.allclose(y, quantized_activations(x) @ reference.T, rtol=1e-5, atol=1e-5)
+    assert np.allclose(y, quantized_activations(x, 256) @ reference.T, rtol=1e-5, atol=1e-5)
 
 
 def test_the_test_quantizer_is_close_to_its_input() -> None:

@@ -420,44 +420,106 @@ static inline const QuantPart *quant_part(const QuantWeight *w, int *row) {
 
 /*
  * Products with GGUF blocks, as llama.cpp computes them: each token's activations are
- * quantized to int8 per 32 values (scale max|x| / 127, rounded to nearest even), and a
- * 32-value weight block meets them in integer multiply-adds. Every quantized type is
- * unpacked, one row at a time, to unsigned codes u (0..63) with a scale A and an offset B
- * per 16 values, so that a weight is A u + B:
+ * quantized to int8 (scale max|x| / 127, rounded to nearest even) and meet the weights'
+ * codes in integer multiply-adds.
+ *
+ * Legacy types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) take activations quantized per 32 values.
+ * A weight block is unpacked to unsigned codes u (0..31) with a scale A and an offset B,
+ * a weight being A u + B:
  *   Q4_0 A = d, B = -8 d;  Q4_1 A = d, B = m;  Q5_0 A = d, B = -16 d;  Q5_1 A = d, B = m;
- *   Q4_K, Q5_K A = d sc, B = -dmin m (per 32);  Q6_K A = d sc, B = -32 d sc (per 16);
- *   Q8_0 codes stay signed (A = d, B = 0): the activations take their signs instead.
- * A 32-block's product is then dx (A0 S0' + A1 S1' + B0 S0 + B1 S1), where S' are the
- * integer sums of u q over each 16 and S the sums of q. Each (row, token) product runs
- * the same operations in the same order whatever the batch. Rows of F32, F16 or BF16
- * parts are decoded to fp32 and multiplied in fp32.
+ *   Q8_0's codes stay signed (A = d, B = 0) and the activations take their signs.
+ * A block's product is dx (A S' + B S), S' the integer sum of u q and S that of q.
+ *
+ * K-quants (Q4_K, Q5_K, Q6_K) take activations quantized per 256 values (llama.cpp's
+ * Q8_K), with the integer sum of each 16 codes. A weight is d sc u - dmin m, sc and m
+ * per 32 values (Q4_K, Q5_K: 6 bits each, u 0..15 or 0..31), or d sc (u - 32), sc per 16
+ * (Q6_K: 8-bit signed, u 0..63). Over the 16 groups g of 16 values of a 256-value block:
+ *   Q4_K, Q5_K:  dx (d sum_g sc_g S'_g - dmin sum_g m_g S_g)
+ *   Q6_K:        dx d (sum_g sc_g S'_g - 32 sum_g sc_g S_g)
+ * Every sum inside is an integer (pairs of u q in 16 bits, then times sc in 32 bits), so a
+ * block costs one conversion to float where per-32 activations would cost eight.
+ *
+ * Each (row, token) product runs the same operations in the same order whatever the
+ * batch. Rows of F32, F16 or BF16 parts are decoded to fp32 and multiplied in fp32.
  */
 #define QX_BLOCK 32
+#define QK_BLOCK 256
 
-/* Per token, the quantized activations are laid out for both instruction sets: codes in
- * q_stride bytes (a whole number of 64-byte pairs of blocks, zero past the end), and per
- * 16 codes (x_stride floats, zero past the end) the block's scale d and the codes' sum
- * times d (what a weight's offset B multiplies). */
+static inline int is_k_quant(int type) {
+    return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K;
+}
+
+/* A block of tokens' quantized activations, token t's at t times each stride.
+ *  - per 32 (legacy types): codes in q_stride bytes (a whole number of 64-byte pairs of
+ *    blocks, zero past the end); per 16 codes (x_stride floats, zero past the end) the
+ *    block's scale and the codes' sum times it (what a weight's offset B multiplies);
+ *  - per 256 (K-quants; cols a multiple of 256): cols codes, a scale per 256 and the sum
+ *    of each 16 codes. */
+typedef struct {
+    const int8_t *q;
+    const float *scale, *xsum;
+    const int8_t *qk;
+    const float *dk;
+    const int16_t *bsum;
+    int cols;
+} QuantX;
+
 static inline int q_stride(int cols) { return 64 * ((cols / QX_BLOCK + 1) / 2); }
 static inline int x_stride(int cols) { return 4 * ((cols / QX_BLOCK + 1) / 2); }
+
+/* max |x| over n values (a multiple of 8) */
+static inline float abs_max(const float *x, int n) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int j = 0; j < n; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+/* 16 values times id, rounded to nearest even, as int8 at q; returns their sum. */
+static inline int round16(const float *x, float id, int8_t *q) {
+    const __m256 s = _mm256_set1_ps(id);
+    __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), s));
+    __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8), s));
+    __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8); /* 16 x int16 */
+    __m128i v = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+    _mm_storeu_si128((__m128i *)q, v);
+    __m256i sum = _mm256_madd_epi16(w, _mm256_set1_epi16(1));
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1)));
+}
 
 static void quantize_x(const float *x, int cols, int8_t *q, float *scale, float *xsum) {
     memset(q + cols, 0, q_stride(cols) - cols);
     for (int i = 2 * (cols / QX_BLOCK); i < x_stride(cols); i++) scale[i] = xsum[i] = 0.0f;
     for (int b = 0; b < cols / QX_BLOCK; b++) {
         const float *xb = x + b * QX_BLOCK;
-        float amax = 0.0f;
-        for (int j = 0; j < QX_BLOCK; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
-        float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        int s0 = 0, s1 = 0;
-        for (int j = 0; j < QX_BLOCK; j++) {
-            int v = (int)nearbyintf(xb[j] * id);
-            q[b * QX_BLOCK + j] = (int8_t)v;
-            if (j < 16) s0 += v; else s1 += v;
-        }
+        float d = abs_max(xb, QX_BLOCK) / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        int s0 = round16(xb, id, q + b * QX_BLOCK), s1 = round16(xb + 16, id, q + b * QX_BLOCK + 16);
         scale[2 * b] = scale[2 * b + 1] = d;
         xsum[2 * b] = d * (float)s0;
         xsum[2 * b + 1] = d * (float)s1;
+    }
+}
+
+/* Where a 256-value block's sub-block j (values 32 j .. 32 j + 31) is stored: in the
+ * order (0, 2, 1, 3, 4, 6, 5, 7), the order in which 64 bytes of Q4_K codes hold them (a
+ * byte's low nibbles, then its high nibbles). */
+static inline int k_slot(int j) { return (j & 4) | ((j & 1) << 1) | ((j >> 1) & 1); }
+
+/* The same per 256 values, for K-quant rows: the codes' 32-value sub-blocks stored in
+ * k_slot order, the sums of each 16 in value order. */
+static void quantize_xk(const float *x, int cols, int8_t *q, float *d, int16_t *bsum) {
+    for (int b = 0; b < cols / QK_BLOCK; b++) {
+        const float *xb = x + b * QK_BLOCK;
+        float s = abs_max(xb, QK_BLOCK) / 127.0f, id = s > 0.0f ? 1.0f / s : 0.0f;
+        for (int g = 0; g < QK_BLOCK / 16; g++) {
+            int8_t *at = q + b * QK_BLOCK + 32 * k_slot(g / 2) + 16 * (g % 2);
+            bsum[16 * b + g] = (int16_t)round16(xb + 16 * g, id, at);
+        }
+        d[b] = s;
     }
 }
 
@@ -472,7 +534,7 @@ static inline __m256i bits_to_bytes(uint32_t bits) {
 }
 
 /* Weight block g (32 values) of a row of a legacy type: codes u and A, B for each 16
- * (see above; the K-quants decode a whole block's scales at once: k_scales, k_codes32). */
+ * (see above; a K-quant block is unpacked whole: k_ints, k_codes32). */
 static inline __attribute__((always_inline)) __m256i unpack32(
     int type, const uint8_t *row, int g, float ab[4]) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -528,48 +590,58 @@ static inline long value_offset(int type, long i) {
 static inline long value_byte(int type, long i) { return value_offset(type, 256 * i) / 256; }
 
 /* Fetch both rows' blocks PREFETCH_VALUES ahead of value `at` (row1 may be NULL); inlined
- * so that the type's block size folds to a constant. */
+ * so that the type's block size folds to a constant. The K-quants' blocks go to the outer
+ * caches (Q4_K decode from memory 23 -> 31 GB/s on Zen 4, Q6_K 18 -> 33), the legacy
+ * types' to L1 (into the outer caches they were no faster, and SmolLM2's Q4_1 decode
+ * slower). */
 static inline __attribute__((always_inline)) void prefetch_rows(
     int type, const uint8_t *row0, const uint8_t *row1, long at) {
-    _mm_prefetch((const char *)row0 + value_byte(type, at + PREFETCH_VALUES), _MM_HINT_T0);
-    if (row1) _mm_prefetch((const char *)row1 + value_byte(type, at + PREFETCH_VALUES), _MM_HINT_T0);
+    const char *p0 = (const char *)row0 + value_byte(type, at + PREFETCH_VALUES);
+    const char *p1 = row1 ? (const char *)row1 + value_byte(type, at + PREFETCH_VALUES) : NULL;
+    if (type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K) {
+        _mm_prefetch(p0, _MM_HINT_T2);
+        if (p1) _mm_prefetch(p1, _MM_HINT_T2);
+    } else {
+        _mm_prefetch(p0, _MM_HINT_T0);
+        if (p1) _mm_prefetch(p1, _MM_HINT_T0);
+    }
 }
 
-/* A K-quant block's scales, decoded once for the block: A and B per 32 (Q4_K, Q5_K:
- * a[j] for sub-block j) or per 16 (Q6_K: a[g] for group g). */
+/* A K-quant block's scales as 16-bit integers per group of 16 values, in registers: sc
+ * (and m for Q4_K, Q5_K), with d and dmin. */
 typedef struct {
-    float a[16], b[16];
-} KScales;
+    __m256i sc, m;
+    float d, dmin;
+} KInts;
 
-static inline __attribute__((always_inline)) void k_scales(int type, const uint8_t *blk,
-                                                           KScales *k) {
+static inline __attribute__((always_inline)) void k_ints(int type, const uint8_t *blk,
+                                                         KInts *k) {
     if (type == GGML_Q6_K) {
-        const __m256 d = _mm256_set1_ps(half(blk + 208));
-        for (int h = 0; h < 2; h++) {
-            __m256 a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                            _mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * h)))));
-            _mm256_storeu_ps(k->a + 8 * h, a);
-            _mm256_storeu_ps(k->b + 8 * h, _mm256_mul_ps(_mm256_set1_ps(-32.0f), a));
-        }
+        k->sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        k->m = _mm256_setzero_si256();
+        k->d = half(blk + 208);
+        k->dmin = 0.0f;
         return;
     }
-    /* the 12 bytes of 8 6-bit scales and mins, as llama.cpp unpacks them */
-    uint32_t u[4];
-    memcpy(u, blk + 4, 12);
-    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
-    uint32_t mins = u[1] & 0x3f3f3f3f;
-    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
-    u[2] = mins;
-    u[0] &= 0x3f3f3f3f;
-    __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)u));
-    __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(u + 2)));
-    _mm256_storeu_ps(k->a, _mm256_mul_ps(_mm256_set1_ps(half(blk)), _mm256_cvtepi32_ps(codes)));
-    _mm256_storeu_ps(k->b, _mm256_sub_ps(_mm256_setzero_ps(),
-                                         _mm256_mul_ps(_mm256_set1_ps(half(blk + 2)),
-                                                       _mm256_cvtepi32_ps(m))));
+    /* the 12 bytes of 8 6-bit scales and mins, as llama.cpp unpacks them (in 64-bit
+     * registers: a vector load of bytes just stored in pieces would wait for them) */
+    uint64_t lo;
+    uint32_t u2;
+    memcpy(&lo, blk + 4, 8);
+    memcpy(&u2, blk + 12, 4);
+    const uint64_t u0 = lo & 0xffffffffu, u1 = lo >> 32;
+    const uint64_t sc = (u0 & 0x3f3f3f3f) | (((u2 & 0x0f0f0f0f) | (((u0 >> 6) & 0x03030303) << 4)) << 32);
+    const uint64_t m = (u1 & 0x3f3f3f3f) | ((((u2 >> 4) & 0x0f0f0f0f) | (((u1 >> 6) & 0x03030303) << 4)) << 32);
+    __m128i sc8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc));
+    __m128i m8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m));
+    /* each sub-block's scale for both of its 16s */
+    k->sc = _mm256_setr_m128i(_mm_unpacklo_epi16(sc8, sc8), _mm_unpackhi_epi16(sc8, sc8));
+    k->m = _mm256_setr_m128i(_mm_unpacklo_epi16(m8, m8), _mm_unpackhi_epi16(m8, m8));
+    k->d = half(blk);
+    k->dmin = half(blk + 2);
 }
 
-/* Sub-block j (32 codes) of a K-quant block. */
+/* Sub-block j (values 32 j .. 32 j + 31) of a K-quant block: 32 codes. */
 static inline __attribute__((always_inline)) __m256i k_codes32(int type, const uint8_t *blk,
                                                                int j) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -592,81 +664,117 @@ static inline __attribute__((always_inline)) __m256i k_codes32(int type, const u
     return u;
 }
 
-/* A and B of sub-block j's two 16s, from the block's decoded scales. */
-static inline __attribute__((always_inline)) void k_ab(int type, const KScales *k, int j,
-                                                       float ab[4]) {
-    if (type == GGML_Q6_K) {
-        ab[0] = k->a[2 * j], ab[1] = k->a[2 * j + 1], ab[2] = k->b[2 * j], ab[3] = k->b[2 * j + 1];
-    } else {
-        ab[0] = ab[1] = k->a[j];
-        ab[2] = ab[3] = k->b[j];
+/* One (row, token, block) into the row's float sums: its integer sums in `dots` (8 lanes),
+ * the group sums of the token's codes in `bsum`. */
+static inline __attribute__((always_inline)) __m256 k_block_sums(
+    int type, const KInts *k, __m256i dots, __m256i bsum, float dx, __m256 acc) {
+    if (type == GGML_Q6_K) { /* d sc (u - 32): the offset shares the scale */
+        __m256i off = _mm256_madd_epi16(bsum, k->sc);
+        dots = _mm256_sub_epi32(dots, _mm256_slli_epi32(off, 5));
     }
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(k->d * dx), acc);
+    if (type == GGML_Q6_K) return acc;
+    __m256i m = _mm256_madd_epi16(bsum, k->m);
+    return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(k->dmin * dx), acc);
 }
 
-/* Products of rows `row0` and `row1` (of one type; row1 may be NULL) with `nt` tokens'
- * quantized activations (token t's codes at q + t * cols, its scales and offsets
- * likewise): each block is unpacked once and meets every token, and each (row, token) sum
- * runs in block order, whatever the number of tokens or the other row. */
+/* The sums of a row pair's accumulators (b's where two rows were multiplied). */
+static inline __attribute__((always_inline)) void hsum_rows(const int nr, __m256 a, __m256 b,
+                                                            float *out_a, float *out_b) {
+    if (nr == 1) {
+        *out_a = hsum(a);
+        return;
+    }
+    __m256 h = _mm256_hadd_ps(a, b); /* a01 a23 b01 b23 | a45 a67 b45 b67 */
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    v = _mm_hadd_ps(v, v); /* a, b in lanes 0, 1 */
+    *out_a = _mm_cvtss_f32(v);
+    *out_b = _mm_cvtss_f32(_mm_movehdup_ps(v));
+}
+
+/* K-quant rows `row0` and `row1` (nr of them: row1 is NULL where nr is 1) with `nt`
+ * tokens: each block's codes and scales are unpacked once and meet every token. */
+static inline __attribute__((always_inline)) void rows_dots_k_typed(
+    const int type, const int nr, const uint8_t *row0, const uint8_t *row1, int nt,
+    const QuantX *x, float *out0, float *out1) {
+    const int cols = x->cols, blocks = cols / QK_BLOCK;
+    const long k_bytes = value_offset(type, QK_BLOCK);
+    const uint8_t *rows[2] = {row0, row1};
+    __m256 acc[2][TOKEN_BLOCK];
+    for (int r = 0; r < 2; r++)
+        for (int t = 0; t < nt; t++) acc[r][t] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        KInts k[2];
+        __m256i u[2][8], sc[2][8];
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *blk = rows[r] + k_bytes * b;
+            k_ints(type, blk, &k[r]);
+            /* sub-block j's groups 2 j and 2 j + 1: 32 bits of sc, spread over the halves */
+            const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                                    2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+            for (int j = 0; j < 8; j++) {
+                u[r][j] = k_codes32(type, blk, j);
+                __m256i pair = _mm256_permutevar8x32_epi32(k[r].sc, _mm256_set1_epi32(j));
+                sc[r][j] = _mm256_shuffle_epi8(pair, spread);
+            }
+        }
+        for (int s = 0; s < 4; s++) prefetch_rows(type, row0, row1, 256L * b + 64 * s);
+        for (int t = 0; t < nt; t++) {
+            const int8_t *q = x->qk + (long)t * cols + QK_BLOCK * b;
+            __m256i bsum = _mm256_loadu_si256((const __m256i *)(x->bsum + (long)t * (cols / 16) + 16 * b));
+            const float dx = x->dk[(long)t * blocks + b];
+            for (int r = 0; r < nr; r++) {
+                __m256i dots = _mm256_setzero_si256();
+                for (int j = 0; j < 8; j++) {
+                    __m256i xq = _mm256_loadu_si256((const __m256i *)(q + 32 * k_slot(j)));
+                    __m256i p = _mm256_maddubs_epi16(u[r][j], xq);
+                    dots = _mm256_add_epi32(dots, _mm256_madd_epi16(p, sc[r][j]));
+                }
+                acc[r][t] = k_block_sums(type, &k[r], dots, bsum, dx, acc[r][t]);
+            }
+        }
+    }
+    for (int t = 0; t < nt; t++) hsum_rows(nr, acc[0][t], acc[1][t], out0 + t, out1 + t);
+}
+
+/* Products of legacy-type rows `row0` and `row1` (of one type; row1 may be NULL) with `nt`
+ * tokens' quantized activations: each block is unpacked once and meets every token, and
+ * each (row, token) sum runs in block order, whatever the number of tokens or the other
+ * row. */
 static inline __attribute__((always_inline)) void rows_dots_q_typed(
-    const int type, const uint8_t *row0, const uint8_t *row1, int cols, int nt, const int8_t *q,
-    const float *scale, const float *xsum, float *out0, float *out1) {
+    const int type, const int nr, const uint8_t *row0, const uint8_t *row1, int nt,
+    const QuantX *x, float *out0, float *out1) {
+    if (nr == 1) row1 = NULL;
     const __m256i ones = _mm256_set1_epi16(1);
-    const int blocks = cols / QX_BLOCK, is_signed = type == GGML_Q8_0, halves = type == GGML_Q6_K;
+    const int cols = x->cols, blocks = cols / QX_BLOCK, is_signed = type == GGML_Q8_0;
+    const int qs = q_stride(cols), xs_stride = x_stride(cols);
     __m256 acc0[TOKEN_BLOCK], acc1[TOKEN_BLOCK];
     float off0[TOKEN_BLOCK], off1[TOKEN_BLOCK];
     for (int t = 0; t < nt; t++) {
         acc0[t] = acc1[t] = _mm256_setzero_ps();
         off0[t] = off1[t] = 0.0f;
     }
-    const int k_quant = type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K;
-    const long k_bytes = value_offset(type, 256);
-    KScales k0, k1;
     for (int b = 0; b < blocks; b++) {
         prefetch_rows(type, row0, row1, 32L * b);
         float ab0[4], ab1[4] = {0};
         __m256i u0, u1;
-        if (k_quant) { /* a whole block's scales at its first sub-block */
-            const int j = b % 8;
-            const uint8_t *blk0 = row0 + k_bytes * (b / 8), *blk1 = row1 + k_bytes * (b / 8);
-            if (j == 0) {
-                k_scales(type, blk0, &k0);
-                if (row1) k_scales(type, blk1, &k1);
-            }
-            u0 = u1 = k_codes32(type, blk0, j);
-            k_ab(type, &k0, j, ab0);
-            if (row1) {
-                u1 = k_codes32(type, blk1, j);
-                k_ab(type, &k1, j, ab1);
-            }
-        } else {
-            u0 = u1 = unpack32(type, row0, b, ab0);
-            if (row1) u1 = unpack32(type, row1, b, ab1);
-        }
+        u0 = u1 = unpack32(type, row0, b, ab0);
+        if (row1) u1 = unpack32(type, row1, b, ab1);
         __m256i m0 = is_signed ? _mm256_sign_epi8(u0, u0) : u0;
         __m256i m1 = is_signed ? _mm256_sign_epi8(u1, u1) : u1;
         for (int t = 0; t < nt; t++) {
-            __m256i x = _mm256_loadu_si256((const __m256i *)(q + (long)t * q_stride(cols) + 32 * b));
-            __m256i x0 = is_signed ? _mm256_sign_epi8(x, u0) : x;
-            __m256 p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(m0, x0), ones));
-            const float dx = scale[t * x_stride(cols) + 2 * b];
-            const float *xs = xsum + (long)t * x_stride(cols) + 2 * b;
-            if (halves) {
-                acc0[t] = _mm256_fmadd_ps(p0, _mm256_setr_m128(_mm_set1_ps(ab0[0] * dx), _mm_set1_ps(ab0[1] * dx)), acc0[t]);
-                off0[t] += ab0[2] * xs[0] + ab0[3] * xs[1];
-            } else {
-                acc0[t] = _mm256_fmadd_ps(p0, _mm256_set1_ps(ab0[0] * dx), acc0[t]);
-                off0[t] += ab0[2] * (xs[0] + xs[1]);
-            }
+            __m256i q = _mm256_loadu_si256((const __m256i *)(x->q + (long)t * qs + 32 * b));
+            __m256i q0 = is_signed ? _mm256_sign_epi8(q, u0) : q;
+            __m256 p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(m0, q0), ones));
+            const float dx = x->scale[t * xs_stride + 2 * b];
+            const float *xs = x->xsum + (long)t * xs_stride + 2 * b;
+            acc0[t] = _mm256_fmadd_ps(p0, _mm256_set1_ps(ab0[0] * dx), acc0[t]);
+            off0[t] += ab0[2] * (xs[0] + xs[1]);
             if (!row1) continue;
-            __m256i x1 = is_signed ? _mm256_sign_epi8(x, u1) : x;
-            __m256 p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(m1, x1), ones));
-            if (halves) {
-                acc1[t] = _mm256_fmadd_ps(p1, _mm256_setr_m128(_mm_set1_ps(ab1[0] * dx), _mm_set1_ps(ab1[1] * dx)), acc1[t]);
-                off1[t] += ab1[2] * xs[0] + ab1[3] * xs[1];
-            } else {
-                acc1[t] = _mm256_fmadd_ps(p1, _mm256_set1_ps(ab1[0] * dx), acc1[t]);
-                off1[t] += ab1[2] * (xs[0] + xs[1]);
-            }
+            __m256i q1 = is_signed ? _mm256_sign_epi8(q, u1) : q;
+            __m256 p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(m1, q1), ones));
+            acc1[t] = _mm256_fmadd_ps(p1, _mm256_set1_ps(ab1[0] * dx), acc1[t]);
+            off1[t] += ab1[2] * (xs[0] + xs[1]);
         }
     }
     for (int t = 0; t < nt; t++) {
@@ -703,51 +811,92 @@ static inline AVX512 __attribute__((always_inline)) __m512i unpack64(
     return _mm512_inserti64x4(_mm512_castsi256_si512(u0), u1, 1);
 }
 
-/* A and B of step s's four 16-value groups. */
-static inline AVX512 __attribute__((always_inline)) void k_step_scales(int type, const KScales *k,
-                                                                       int s, __m128 *a, __m128 *b) {
-    if (type == GGML_Q6_K) {
-        *a = _mm_loadu_ps(k->a + 4 * s);
-        *b = _mm_loadu_ps(k->b + 4 * s);
-    } else { /* sub-blocks 2 s and 2 s + 1, each over two 16s */
-        __m128 a2 = _mm_castpd_ps(_mm_load_sd((const double *)(k->a + 2 * s)));
-        __m128 b2 = _mm_castpd_ps(_mm_load_sd((const double *)(k->b + 2 * s)));
-        *a = _mm_unpacklo_ps(a2, a2);
-        *b = _mm_unpacklo_ps(b2, b2);
-    }
-}
-
-/* Step s (values 64 s .. 64 s + 63) of a K-quant block: 64 codes. */
+/* Step s of a K-quant block: 64 codes, the sub-blocks in slots 2 s and 2 s + 1 (k_slot:
+ * sub-blocks a and a + 2, a = 4 (s / 2) + s % 2), each half shifted by its own count. */
 static inline AVX512 __attribute__((always_inline)) __m512i k_codes(int type, const uint8_t *blk,
                                                                     int s) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    if (type == GGML_Q6_K) {
-        int hh = s / 2, k = (s % 2) * 2;
-        __m512i l = _mm512_loadu_si512(blk + 64 * hh);
-        l = _mm512_and_si512(_mm512_srli_epi16(l, 4 * (s % 2)), _mm512_set1_epi8(0x0F));
-        __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * hh));
-        const __m256i three = _mm256_set1_epi8(3);
-        __m256i q0 = _mm256_and_si256(_mm256_srli_epi16(q, 2 * k), three);
-        __m256i q1 = _mm256_and_si256(_mm256_srli_epi16(q, 2 * k + 2), three);
-        __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);
-        return _mm512_or_si512(l, _mm512_slli_epi16(h, 4));
+    const int a = 4 * (s / 2) + s % 2;
+    if (type == GGML_Q4_K || type == GGML_Q5_K) { /* a's codes are a byte's nibble s % 2 */
+        const int five = type == GGML_Q5_K;
+        __m512i u = _mm512_loadu_si512(blk + 16 + 32 * five + 64 * (s / 2));
+        u = _mm512_and_si512(_mm512_srli_epi16(u, 4 * (s % 2)), _mm512_set1_epi8(0x0F));
+        if (five) { /* bit a (and a + 2) of each byte of qh */
+            __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));
+            const __m512i by = _mm512_inserti64x4(_mm512_set1_epi16((short)a),
+                                                  _mm256_set1_epi16((short)(a + 2)), 1);
+            h = _mm512_and_si512(_mm512_srlv_epi16(h, by), _mm512_set1_epi8(1));
+            u = _mm512_or_si512(u, _mm512_slli_epi16(h, 4));
+        }
+        return u;
     }
-    int five = type == GGML_Q5_K;
-    __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * five + 32 * s));
-    __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-    if (five) {
-        const __m256i one = _mm256_set1_epi8(1);
-        __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
-        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), one), 4));
-        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * s + 1), one), 4));
+    /* Q6_K: a and a + 2 share 32 bytes of ql (low and high nibbles) and of qh (2 bits each) */
+    const int hh = s / 2, k = s % 2;
+    const __m512i by_l = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    const __m512i by_h = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * k)),
+                                            _mm256_set1_epi16((short)(2 * k + 4)), 1);
+    __m512i l = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 64 * hh + 32 * k)));
+    __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * hh)));
+    l = _mm512_and_si512(_mm512_srlv_epi16(l, by_l), _mm512_set1_epi8(0x0F));
+    h = _mm512_and_si512(_mm512_srlv_epi16(h, by_h), _mm512_set1_epi8(3));
+    return _mm512_or_si512(l, _mm512_slli_epi16(h, 4));
+}
+
+/* Which of a block's 16 group scales each 16-bit lane of step s's products takes (groups
+ * 2 a, 2 a + 1, 2 a + 4, 2 a + 5, 8 lanes each). */
+static const int16_t K_STEP_GROUPS[4][32] __attribute__((aligned(64))) = {
+    {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5},
+    {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
+    {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9, 12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13},
+    {10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11, 14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15},
+};
+
+/* rows_dots_k_typed with AVX512: 64 codes a step, their pairs' sums (16 bits) times the
+ * groups' scales summed into 32 bits by `vpdpwssd`. */
+static inline AVX512 __attribute__((always_inline)) void rows_dots_k512_typed(
+    const int type, const int nr, const uint8_t *row0, const uint8_t *row1, int nt,
+    const QuantX *x, float *out0, float *out1) {
+    const int cols = x->cols, blocks = cols / QK_BLOCK;
+    const long k_bytes = value_offset(type, QK_BLOCK);
+    const uint8_t *rows[2] = {row0, row1};
+    __m256 acc[2][TOKEN_BLOCK];
+    for (int r = 0; r < 2; r++)
+        for (int t = 0; t < nt; t++) acc[r][t] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        KInts k[2];
+        __m512i u[2][4], sc[2][4];
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *blk = rows[r] + k_bytes * b;
+            k_ints(type, blk, &k[r]);
+            __m512i scales = _mm512_castsi256_si512(k[r].sc);
+            for (int s = 0; s < 4; s++) {
+                u[r][s] = k_codes(type, blk, s);
+                sc[r][s] = _mm512_permutexvar_epi16(_mm512_load_si512(K_STEP_GROUPS[s]), scales);
+            }
+        }
+        for (int s = 0; s < 4; s++) prefetch_rows(type, row0, row1, 256L * b + 64 * s);
+        for (int t = 0; t < nt; t++) {
+            const int8_t *q = x->qk + (long)t * cols + QK_BLOCK * b;
+            __m512i xq[4];
+            for (int s = 0; s < 4; s++) xq[s] = _mm512_loadu_si512(q + 64 * s);
+            __m256i bsum = _mm256_loadu_si256((const __m256i *)(x->bsum + (long)t * (cols / 16) + 16 * b));
+            const float dx = x->dk[(long)t * blocks + b];
+            for (int r = 0; r < nr; r++) {
+                __m512i dots = _mm512_setzero_si512();
+                for (int s = 0; s < 4; s++)
+                    dots = _mm512_dpwssd_epi32(dots, _mm512_maddubs_epi16(u[r][s], xq[s]), sc[r][s]);
+                __m256i d8 = _mm256_add_epi32(_mm512_castsi512_si256(dots), _mm512_extracti64x4_epi64(dots, 1));
+                acc[r][t] = k_block_sums(type, &k[r], d8, bsum, dx, acc[r][t]);
+            }
+        }
     }
-    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    for (int t = 0; t < nt; t++) hsum_rows(nr, acc[0][t], acc[1][t], out0 + t, out1 + t);
 }
 
 static inline AVX512 __attribute__((always_inline)) void rows_dots_q512_typed(
-    const int type, const uint8_t *row0, const uint8_t *row1, int cols, int nt, const int8_t *q,
-    const float *scale, const float *xsum, float *out0, float *out1) {
-    const int blocks = cols / QX_BLOCK, steps = (blocks + 1) / 2;
+    const int type, const int nr, const uint8_t *row0, const uint8_t *row1, int nt,
+    const QuantX *x, float *out0, float *out1) {
+    if (nr == 1) row1 = NULL;
+    const int cols = x->cols, blocks = cols / QX_BLOCK, steps = (blocks + 1) / 2;
     const int qs = q_stride(cols), xs_stride = x_stride(cols);
     const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     __m512 acc0[TOKEN_BLOCK], acc1[TOKEN_BLOCK];
@@ -756,40 +905,22 @@ static inline AVX512 __attribute__((always_inline)) void rows_dots_q512_typed(
         acc0[t] = acc1[t] = _mm512_setzero_ps();
         off0[t] = off1[t] = _mm_setzero_ps();
     }
-    const int k_quant = type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K;
-    const long k_bytes = value_offset(type, 256);
-    KScales k0, k1;
     for (int h = 0; h < steps; h++) {
         prefetch_rows(type, row0, row1, 64L * h);
         __m128 a0, b0, a1 = _mm_setzero_ps(), b1 = a1;
         __m512i u0, u1;
-        if (k_quant) { /* a whole block's scales at its first step, then 64 codes a step */
-            const int s = h % 4;
-            const uint8_t *blk0 = row0 + k_bytes * (h / 4), *blk1 = row1 + k_bytes * (h / 4);
-            if (s == 0) {
-                k_scales(type, blk0, &k0);
-                if (row1) k_scales(type, blk1, &k1);
-            }
-            u0 = u1 = k_codes(type, blk0, s);
-            k_step_scales(type, &k0, s, &a0, &b0);
-            if (row1) {
-                u1 = k_codes(type, blk1, s);
-                k_step_scales(type, &k1, s, &a1, &b1);
-            }
-        } else {
-            u0 = u1 = unpack64(type, row0, h, blocks, &a0, &b0);
-            if (row1) u1 = unpack64(type, row1, h, blocks, &a1, &b1);
-        }
+        u0 = u1 = unpack64(type, row0, h, blocks, &a0, &b0);
+        if (row1) u1 = unpack64(type, row1, h, blocks, &a1, &b1);
         for (int t = 0; t < nt; t++) {
-            __m512i x = _mm512_loadu_si512(q + (long)t * qs + 64 * h);
-            __m128 dx = _mm_loadu_ps(scale + (long)t * xs_stride + 4 * h);
-            __m128 xs = _mm_loadu_ps(xsum + (long)t * xs_stride + 4 * h);
-            __m512 p0 = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u0, x));
+            __m512i q = _mm512_loadu_si512(x->q + (long)t * qs + 64 * h);
+            __m128 dx = _mm_loadu_ps(x->scale + (long)t * xs_stride + 4 * h);
+            __m128 xs = _mm_loadu_ps(x->xsum + (long)t * xs_stride + 4 * h);
+            __m512 p0 = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u0, q));
             __m512 s0 = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(a0, dx)));
             acc0[t] = _mm512_fmadd_ps(p0, s0, acc0[t]);
             off0[t] = _mm_fmadd_ps(b0, xs, off0[t]);
             if (!row1) continue;
-            __m512 p1 = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u1, x));
+            __m512 p1 = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u1, q));
             __m512 s1 = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(a1, dx)));
             acc1[t] = _mm512_fmadd_ps(p1, s1, acc1[t]);
             off1[t] = _mm_fmadd_ps(b1, xs, off1[t]);
@@ -809,32 +940,32 @@ static inline AVX512 __attribute__((always_inline)) void rows_dots_q512_typed(
 /* Each type's loop compiled on its own (the type a constant in it). */
 #define FOR_EACH_QUANT_TYPE(CALL)                                                          \
     switch (type) {                                                                        \
-    case GGML_Q8_0: CALL(GGML_Q8_0); break;                                                \
-    case GGML_Q4_0: CALL(GGML_Q4_0); break;                                                \
-    case GGML_Q4_1: CALL(GGML_Q4_1); break;                                                \
-    case GGML_Q5_0: CALL(GGML_Q5_0); break;                                                \
-    case GGML_Q5_1: CALL(GGML_Q5_1); break;                                                \
-    case GGML_Q4_K: CALL(GGML_Q4_K); break;                                                \
-    case GGML_Q5_K: CALL(GGML_Q5_K); break;                                                \
-    case GGML_Q6_K: CALL(GGML_Q6_K); break;                                                \
+    case GGML_Q8_0: CALL(q, GGML_Q8_0); break;                                             \
+    case GGML_Q4_0: CALL(q, GGML_Q4_0); break;                                             \
+    case GGML_Q4_1: CALL(q, GGML_Q4_1); break;                                             \
+    case GGML_Q5_0: CALL(q, GGML_Q5_0); break;                                             \
+    case GGML_Q5_1: CALL(q, GGML_Q5_1); break;                                             \
+    case GGML_Q4_K: CALL(k, GGML_Q4_K); break;                                             \
+    case GGML_Q5_K: CALL(k, GGML_Q5_K); break;                                             \
+    case GGML_Q6_K: CALL(k, GGML_Q6_K); break;                                             \
     }
 
-static void rows_dots_q(int type, const uint8_t *row0, const uint8_t *row1, int cols, int nt,
-                        const int8_t *q, const float *scale, const float *xsum, float *out0,
-                        float *out1) {
-/* one token (decode) compiled apart: its sums stay in registers */
-#define DOTS_AVX2(T)                                                                      \
-    nt == 1 ? rows_dots_q_typed(T, row0, row1, cols, 1, q, scale, xsum, out0, out1)       \
-            : rows_dots_q_typed(T, row0, row1, cols, nt, q, scale, xsum, out0, out1)
+/* One token (decode) and one or two rows compiled apart: their sums stay in registers. */
+#define DOTS_SHAPES(F, T)                                                                 \
+    row1 ? (nt == 1 ? F(T, 2, row0, row1, 1, x, out0, out1)                              \
+                    : F(T, 2, row0, row1, nt, x, out0, out1))                            \
+         : (nt == 1 ? F(T, 1, row0, NULL, 1, x, out0, NULL)                              \
+                    : F(T, 1, row0, NULL, nt, x, out0, NULL))
+
+static void rows_dots_avx2(int type, const uint8_t *row0, const uint8_t *row1, int nt,
+                           const QuantX *x, float *out0, float *out1) {
+#define DOTS_AVX2(KIND, T) DOTS_SHAPES(rows_dots_##KIND##_typed, T)
     FOR_EACH_QUANT_TYPE(DOTS_AVX2)
 }
 
-static AVX512 void rows_dots_q512(int type, const uint8_t *row0, const uint8_t *row1, int cols,
-                                  int nt, const int8_t *q, const float *scale, const float *xsum,
-                                  float *out0, float *out1) {
-#define DOTS_AVX512(T)                                                                    \
-    nt == 1 ? rows_dots_q512_typed(T, row0, row1, cols, 1, q, scale, xsum, out0, out1)    \
-            : rows_dots_q512_typed(T, row0, row1, cols, nt, q, scale, xsum, out0, out1)
+static AVX512 void rows_dots_avx512(int type, const uint8_t *row0, const uint8_t *row1, int nt,
+                                    const QuantX *x, float *out0, float *out1) {
+#define DOTS_AVX512(KIND, T) DOTS_SHAPES(rows_dots_##KIND##512_typed, T)
     FOR_EACH_QUANT_TYPE(DOTS_AVX512)
 }
 
@@ -857,14 +988,13 @@ int infire_quant_isa(int wanted) {
     return quant_isa;
 }
 
-static inline void rows_dots(int type, const uint8_t *row0, const uint8_t *row1, int cols,
-                             int nt, const int8_t *q, const float *scale, const float *xsum,
-                             float *out0, float *out1) {
+static inline void rows_dots(int type, const uint8_t *row0, const uint8_t *row1, int nt,
+                             const QuantX *x, float *out0, float *out1) {
     if (!quant_isa) quant_isa = detect_quant_isa();
     if (quant_isa == 2)
-        rows_dots_q512(type, row0, row1, cols, nt, q, scale, xsum, out0, out1);
+        rows_dots_avx512(type, row0, row1, nt, x, out0, out1);
     else
-        rows_dots_q(type, row0, row1, cols, nt, q, scale, xsum, out0, out1);
+        rows_dots_avx2(type, row0, row1, nt, x, out0, out1);
 }
 
 /* The same in fp32, for a row decoded to fp32 (F32, F16 and BF16 parts). */
@@ -880,20 +1010,31 @@ static inline int is_float_type(int type) {
 }
 
 /* y[t, :rows] (+)= W x[t] (+ bias) for a QuantWeight, inside a parallel region: per block
- * of tokens each thread quantizes their activations (cheap next to the product), then the
+ * of tokens each thread quantizes their activations (cheap next to the product: per 32
+ * values where a legacy part needs them, per 256 where a K-quant part does), then the
  * threads share the rows, each row unpacked once for the block's tokens. */
 static void quant_linear_impl(const QuantWeight *w, const float *bias, const float *x, int n,
                               int cols, float *y, int rows, int ldy, int accumulate) {
-    const int qs = q_stride(cols), xs = x_stride(cols);
-    int8_t q[TOKEN_BLOCK * qs];
-    float scale[TOKEN_BLOCK * xs], xsum[TOKEN_BLOCK * xs];
+    int legacy = 0, k_quant = 0;
+    for (int p = 0; p < w->num_parts; p++) {
+        k_quant |= is_k_quant(w->parts[p].type);
+        legacy |= !is_k_quant(w->parts[p].type) && !is_float_type(w->parts[p].type);
+    }
+    const int qs = legacy ? q_stride(cols) : 0, xs = legacy ? x_stride(cols) : 0;
+    const int kq = k_quant ? cols : 0, kb = kq / QK_BLOCK;
+    int8_t q[TOKEN_BLOCK * qs + 1], qk[TOKEN_BLOCK * kq + 1];
+    float scale[TOKEN_BLOCK * xs + 1], xsum[TOKEN_BLOCK * xs + 1], dk[TOKEN_BLOCK * kb + 1];
+    int16_t bsum[TOKEN_BLOCK * 16 * kb + 1];
+    const QuantX qx = {q, scale, xsum, qk, dk, bsum, cols};
     float row_f32[cols], out[2][TOKEN_BLOCK];
     int pairs = (rows + 1) / 2;
     for (int t0 = 0; t0 < n; t0 += TOKEN_BLOCK) {
         int t1 = t0 + TOKEN_BLOCK < n ? t0 + TOKEN_BLOCK : n, nt = t1 - t0;
-        for (int t = t0; t < t1; t++)
-            quantize_x(x + (long)t * cols, cols, q + (t - t0) * qs, scale + (t - t0) * xs,
-                       xsum + (t - t0) * xs);
+        for (int t = 0; t < nt; t++) {
+            const float *xt = x + (long)(t0 + t) * cols;
+            if (legacy) quantize_x(xt, cols, q + t * qs, scale + t * xs, xsum + t * xs);
+            if (k_quant) quantize_xk(xt, cols, qk + t * kq, dk + t * kb, bsum + t * 16 * kb);
+        }
 #pragma omp for schedule(static)
         for (int pair = 0; pair < pairs; pair++) {
             int first = 2 * pair, count = first + 1 < rows ? 2 : 1;
@@ -910,12 +1051,11 @@ static void quant_linear_impl(const QuantWeight *w, const float *bias, const flo
                         for (int t = 0; t < nt; t++)
                             out[r][t] = row_dot_f32(row_f32, x + (long)(t0 + t) * cols, cols);
                     } else
-                        rows_dots(p->type, quant_row(p, at), NULL, cols, nt, q, scale, xsum,
-                                    out[r], NULL);
+                        rows_dots(p->type, quant_row(p, at), NULL, nt, &qx, out[r], NULL);
                 }
             } else
-                rows_dots(p0->type, quant_row(p0, at0), p1 ? quant_row(p1, at1) : NULL, cols,
-                            nt, q, scale, xsum, out[0], out[1]);
+                rows_dots(p0->type, quant_row(p0, at0), p1 ? quant_row(p1, at1) : NULL, nt, &qx,
+                          out[0], out[1]);
             for (int r = 0; r < count; r++) {
                 float add = bias ? bias[first + r] : 0.0f;
                 for (int t = 0; t < nt; t++) {
