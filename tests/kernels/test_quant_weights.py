@@ -14,6 +14,8 @@ from gguf.quants import dequantize, quantize
 from infire.kernels.cpu_forward import (
     QuantWeight,
     available,
+    block_columns,
+    block_rows,
     dequantize_rows,
     quant_isa,
     quant_linear,
@@ -150,3 +152,31 @@ def test_the_test_quantizer_is_close_to_its_input() -> None:
     for qtype, relative in bound.items():
         decoded = dequantize(quantize_k(values, qtype), qtype).reshape(values.shape)
         assert np.abs(decoded - values).max() <= relative * np.abs(values).max(), qtype.name
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_tensor_parallel_shards_cut_on_block_boundaries(qtype: T) -> None:
+    """A column-parallel rank's rows multiply bit for bit as in the whole weight; a
+    row-parallel rank's columns (views whose rows lie further apart than their bytes)
+    multiply bit for bit as the same columns copied out, and the ranks' partial sums add
+    up to the whole product; a cut inside a block is refused."""
+    rng = np.random.default_rng(int(qtype))
+    values = (rng.standard_normal((24, 1024)) * 0.1).astype(np.float32)
+    w, _ = weight(values, qtype)
+    part = w.parts_blocks[0]
+    x = torch.from_numpy(rng.standard_normal((5, 1024)).astype(np.float32))
+    whole = quant_linear(w, x)
+    rows = [quant_linear(QuantWeight([block_rows(part, r, 8)]), x) for r in (0, 8, 16)]
+    assert torch.equal(torch.cat(rows, dim=1), whole)
+    partials = []
+    for start in (0, 512):
+        view = block_columns(part, start, 512)
+        copied = (view[0], view[1].contiguous(), None)
+        assert view[1].stride(0) > view[1].shape[1]
+        y = quant_linear(QuantWeight([view]), x[:, start : start + 512].contiguous())
+        assert torch.equal(y, quant_linear(QuantWeight([copied]), x[:, start : start + 512]))
+        partials.append(y)
+    assert torch.allclose(partials[0] + partials[1], whole, rtol=1e-4, atol=1e-4)
+    values_per_block = 256 if qtype in K_QUANTS else 32
+    with pytest.raises(ValueError, match=f"blocks of {values_per_block} values"):
+        block_columns(part, values_per_block // 2, 512)

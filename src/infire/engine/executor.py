@@ -44,7 +44,7 @@ from infire.engine.runner import ModelRunner, StepResult
 from infire.engine.scheduler import ScheduledSequence
 from infire.engine.structured import token_bitmask
 from infire.layers.sampler import SamplerOutput
-from infire.models.loader import LoadedModel, load_model
+from infire.models.loader import LoadedModel, gguf_blocks, load_model
 from infire.models.registry import check_split
 from infire.parallel import TensorParallelGroup, layer_ranges
 
@@ -126,7 +126,7 @@ def build_rank_runner(
     runner = ModelRunner(
         loaded.config, loaded.weights, config.cache, dtype, config.device, config.seed,
         config.cpu_kernels, palette=loaded.palette, tp=tp, layer_range=stage_range,
-        scheduler_config=config.scheduler,
+        blocks=gguf_blocks(loaded, config.quantization), scheduler_config=config.scheduler,
     )  # fmt: skip
     return runner, loaded, messages
 

@@ -67,8 +67,10 @@ class ModelRunner:
         """Build this rank's part of the model (its tp slice of the layers in `layer_range`,
         all of them by default), load it from `weights` (a lazy WeightSource or a dict) and
         allocate its share of the KV pool (windowed groups sized for `scheduler_config`'s
-        batch limits). With `blocks` (a quantized GGUF's) the fused forward holds the matmul
-        weights and the embedding as the file's blocks, and they are never dequantized."""
+        batch limits). With `blocks` (a quantized GGUF's) the matmul weights and the
+        embedding are held as the file's blocks and never dequantized: by the fused forward,
+        or where the PyTorch path runs (tensor/pipeline parallel ranks, a family the fused
+        forward does not run), by each linear, its tp slice cut on block boundaries."""
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -89,14 +91,18 @@ class ModelRunner:
         sharded = tp.world_size > 1 or (end - start) < config.num_hidden_layers
         self.quant_status = ""
         skip = None
+        module_blocks, modules_why = None, ""  # the PyTorch path's linears hold the blocks
         if blocks is not None:
-            reason = self._blocks_reason(cpu_kernels, sharded, weights, blocks)
-            if reason is None:
+            place, reason = self._blocks_place(cpu_kernels, sharded, weights, blocks)
+            if place == "fused":
                 skip = set(gguf_weight_names(config, list(weights))).__contains__
+            elif place == "modules":
+                self.quant_status = ", GGUF blocks in the PyTorch path's linears"
+                module_blocks, blocks, modules_why = blocks, None, reason
             else:
                 self.quant_status = f", GGUF blocks dequantized ({reason})"
                 blocks = None
-        self.model.load_weights(weights, skip)
+        self.model.load_weights(weights, skip, module_blocks)
         self.model.eval()
         self.kv_spec = self.model.kv_spec
         self.windows: tuple[AttentionWindow, ...] = self.kv_spec.windows
@@ -119,6 +125,8 @@ class ModelRunner:
             self.fused_status = f"unavailable: {config.architecture} runs the PyTorch path"
         elif cpu_kernels and self.windows:
             self.fused_status = "unavailable: sliding-window attention runs the PyTorch path"
+        elif cpu_kernels and module_blocks is not None:  # the linears hold the weights
+            self.fused_status = f"unavailable: {modules_why}"
         elif cpu_kernels:
             built = CpuForward.build(self.model, self.kv_cache, dtype, palette, blocks)
             self.fused = built if isinstance(built, CpuForward) else None
@@ -141,26 +149,30 @@ class ModelRunner:
         self.sampling_state = SamplingState(config.vocab_size, self.device)
         release_free_heap()  # the load's freed scratch
 
-    def _blocks_reason(
+    def _blocks_place(
         self, cpu_kernels: bool, sharded: bool, weights: object, blocks: Blocks
-    ) -> str | None:
-        """Why a quantized GGUF's blocks cannot be served here (they are dequantized then),
-        or None: only the fused CPU forward reads them."""
-        model_class = type(self.model)
+    ) -> tuple[str, str]:
+        """Where a quantized GGUF's blocks are served: "fused" (by the fused CPU forward),
+        "modules" (by the PyTorch path's linears, through the same kernel) or "dequantized",
+        with why they are not served fused."""
         if not cpu_kernels:
-            return "the fused CPU forward is off"
+            return "dequantized", "the CPU kernels are off"
+        if self.device.type != "cpu":
+            return "dequantized", f"the kernel runs on the CPU, not {self.device.type}"
+        lib = load_library()
+        if isinstance(lib, str):
+            return "dequantized", lib
+        model_class = type(self.model)
         if sharded:
-            return "tensor/pipeline parallel ranks dequantize"
+            return "modules", "tensor/pipeline parallel ranks run the PyTorch path"
         if not model_class.supports_fused_cpu or self.model.kv_spec.windows:
-            return f"{self.config.architecture} runs the PyTorch path"
+            return "modules", f"{self.config.architecture} runs the PyTorch path"
         reason = unsupported_reason(self.config, self.dtype, self.device)
-        if reason is None:
-            lib = load_library()
-            reason = lib if isinstance(lib, str) else None
-        if reason is None:
-            names = list(weights)  # type: ignore[call-overload]
-            reason = gguf_blocks_reason(self.config, names, blocks)
-        return reason
+        if reason is not None:
+            return "modules", reason
+        names = list(weights)  # type: ignore[call-overload]
+        reason = gguf_blocks_reason(self.config, names, blocks)
+        return ("fused", "") if reason is None else ("dequantized", reason)
 
     def _allocate_pool(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """One KV tensor per local layer, and the pools they are views of: the layers with

@@ -281,9 +281,11 @@ enum { GGML_F32 = 0, GGML_F16 = 1, GGML_BF16 = 30, GGML_Q4_0 = 2, GGML_Q4_1 = 3,
 #define MAX_QUANT_PARTS 4
 
 typedef struct {
-    int32_t type, rows; /* GGML type; rows (a multiple of TILE_ROWS) */
-    int64_t row_bytes;
-    const uint8_t *data;      /* rows * row_bytes */
+    int32_t type, rows; /* GGML type; rows */
+    int64_t row_bytes;        /* a row's blocks */
+    int64_t row_stride;       /* from one stored row to the next: row_bytes, or more where a
+                                 tensor-parallel rank holds some of each row's blocks */
+    const uint8_t *data;
     const int32_t *row_index; /* row r is stored at row_index[r] (NULL: at r) */
 } QuantPart;
 
@@ -408,7 +410,7 @@ static void dequant_row(int type, const uint8_t *b, int cols, float *out) {
 
 /* Where row `at` of a part is stored. */
 static inline const uint8_t *quant_row(const QuantPart *p, long at) {
-    return p->data + (p->row_index ? p->row_index[at] : at) * p->row_bytes;
+    return p->data + (p->row_index ? p->row_index[at] : at) * p->row_stride;
 }
 
 /* The part and row within it of global row `row`. */
@@ -1071,6 +1073,16 @@ static void quant_linear_impl(const QuantWeight *w, const float *bias, const flo
 void infire_dequantize_rows(const QuantWeight *w, int first, int n, int cols, float *out) {
     for (int r = 0; r < n; r++) {
         int at = first + r;
+        const QuantPart *p = quant_part(w, &at);
+        dequant_row(p->type, quant_row(p, at), cols, out + (long)r * cols);
+    }
+}
+
+/* Exported: the rows `ids[0..n)` of a QuantWeight as fp32 (an embedding's lookups). */
+void infire_dequantize_gather(const QuantWeight *w, const int64_t *ids, int n, int cols,
+                              float *out) {
+    for (int r = 0; r < n; r++) {
+        int at = (int)ids[r];
         const QuantPart *p = quant_part(w, &at);
         dequant_row(p->type, quant_row(p, at), cols, out + (long)r * cols);
     }

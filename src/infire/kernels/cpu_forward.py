@@ -78,26 +78,34 @@ class _QuantPart(ctypes.Structure):
     """Mirror of QuantPart in cpu_forward.c: rows of one GGML type, blocks along a row."""
 
     _fields_ = [("type", ctypes.c_int32), ("rows", ctypes.c_int32), ("row_bytes", ctypes.c_int64),
-                ("data", _ptr), ("row_index", _ptr)]  # fmt: skip
+                ("row_stride", ctypes.c_int64), ("data", _ptr), ("row_index", _ptr)]  # fmt: skip
 
 
 class QuantWeight(ctypes.Structure):
     """Mirror of QuantWeight in cpu_forward.c: a matmul weight of GGUF blocks, in parts of
     whole rows (a fused q|k|v whose pieces have different types). `parts` are GGUFBlocks:
-    GGML type id, [rows, row_bytes] uint8 tensor, and the stored row of each row (None:
-    in order); the tensors stay referenced here."""
+    GGML type id, [rows, row_bytes] uint8 tensor (its rows may be further apart than
+    row_bytes: a column slice), and the stored row of each row (None: in order); the
+    tensors stay referenced here."""
 
     _fields_ = [("num_parts", ctypes.c_int32), ("parts", _QuantPart * MAX_QUANT_PARTS)]
 
     def __init__(self, parts: list[GGUFBlocks]) -> None:
         if not 0 < len(parts) <= MAX_QUANT_PARTS:
             raise ValueError(f"a QuantWeight has 1 to {MAX_QUANT_PARTS} parts, not {len(parts)}")
-        structs = [_QuantPart(kind, data.shape[0], data.shape[1], data.data_ptr(),
+        for _, data, index in parts:
+            if data.dtype != torch.uint8 or data.dim() != 2 or data.stride(1) != 1:
+                raise ValueError("GGUF blocks are [rows, row_bytes] uint8 with bytes in order")
+            if index is not None and (index.dtype != torch.int32 or not index.is_contiguous()):
+                raise ValueError("a row index is contiguous int32")
+        structs = [_QuantPart(kind, index.numel() if index is not None else data.shape[0],
+                              data.shape[1], data.stride(0), data.data_ptr(),
                               None if index is None else index.data_ptr())
                    for kind, data, index in parts]  # fmt: skip
         super().__init__(len(parts), (_QuantPart * MAX_QUANT_PARTS)(*structs))
         self.tensors = [t for _, data, index in parts for t in (data, index) if t is not None]
-        self.rows = sum(data.shape[0] for _, data, _ in parts)
+        self.rows = sum(part.rows for part in structs)
+        self.parts_blocks = parts
 
 
 # A weight as a GGUF file stores it: GGML type id, [rows, row_bytes] uint8 blocks, and
@@ -105,6 +113,35 @@ class QuantWeight(ctypes.Structure):
 GGUFBlocks = tuple[int, torch.Tensor, "torch.Tensor | None"]
 # A checkpoint's tensor as its GGUFBlocks, or None (models/gguf.py GGUFSource.blocks)
 Blocks = Callable[[str], "GGUFBlocks | None"]
+
+
+def block_layout(kind: int) -> tuple[int, int]:
+    """(values, bytes) of one block of a GGML type the kernel reads (a float type: one
+    value)."""
+    return _BLOCK_LAYOUT[kind]
+
+
+def block_rows(part: GGUFBlocks, start: int, count: int) -> GGUFBlocks:
+    """Rows [start, start + count) of a weight's blocks: a view (or the row index's slice)."""
+    kind, data, index = part
+    if index is None:
+        return kind, data[start : start + count], None
+    return kind, data, index[start : start + count]
+
+
+def block_columns(part: GGUFBlocks, start: int, count: int) -> GGUFBlocks:
+    """Columns [start, start + count) of every row of a weight's blocks, a view; a
+    ValueError where the cut would split a block."""
+    kind, data, index = part
+    values, size = block_layout(kind)
+    if start % values or count % values:
+        raise ValueError(
+            f"columns {start}..{start + count} split its {READ_TYPES[kind]} blocks of {values} "
+            f"values: choose a tensor parallel size whose share of the columns is a multiple "
+            f"of {values}, or --quantization none"
+        )
+    return kind, data[:, start // values * size : (start + count) // values * size], index
+
 
 _LAYER = "model.layers.{}."
 
@@ -135,6 +172,8 @@ def gguf_weight_names(config: ModelConfig, names: list[str]) -> list[str] | str:
 # GGML types the kernel reads: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K
 READ_TYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1",
               8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}  # fmt: skip
+_BLOCK_LAYOUT = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22),
+                 7: (32, 24), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}  # fmt: skip
 
 
 def gguf_blocks_reason(config: ModelConfig, names: list[str], blocks: Blocks) -> str | None:
@@ -158,6 +197,18 @@ def dequantize_rows(weight: QuantWeight, first: int, count: int, cols: int) -> t
         raise RuntimeError(lib)
     out = torch.empty(count, cols)
     lib.infire_dequantize_rows(ctypes.byref(weight), first, count, cols, _ptr(out.data_ptr()))
+    return out
+
+
+def dequantize_gather(weight: QuantWeight, ids: torch.Tensor, cols: int) -> torch.Tensor:
+    """Rows `ids` (int64) of a QuantWeight decoded by the kernel, as float32 [len(ids), cols]."""
+    lib = load_library()
+    if isinstance(lib, str):
+        raise RuntimeError(lib)
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), cols)
+    lib.infire_dequantize_gather(ctypes.byref(weight), _ptr(ids.data_ptr()), ids.numel(), cols,
+                                 _ptr(out.data_ptr()))  # fmt: skip
     return out
 
 

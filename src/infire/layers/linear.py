@@ -7,6 +7,11 @@ QKVParallelLinear splits by heads: q heads evenly, KV heads evenly where there a
 least as many as ranks, else one KV head per rank, replicated (rank r takes KV head
 r * kv_heads // tp). Each layer reads only its own slice of a checkpoint tensor from the
 lazy weight source (models/weights.py), never the whole of it.
+
+A layer may instead hold its slice of a quantized GGUF's blocks (`load_blocks`), memory-
+mapped, never dequantized, and multiply through the fused CPU forward's kernel
+(`quant_linear`): column slices take whole rows, row-parallel slices whole blocks of
+every row (a cut inside a block is refused).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from torch import nn
 from infire.parallel import SINGLE, TensorParallelGroup, kv_head_shard
 
 if TYPE_CHECKING:
+    from infire.kernels.cpu_forward import GGUFBlocks, QuantWeight
     from infire.models.weights import LazyTensor
 
 
@@ -30,9 +36,13 @@ class LinearBase(nn.Module):
 
     weight: nn.Parameter
     packed: torch.Tensor | None = None
+    quant: QuantWeight | None = None  # the weight as GGUF blocks (then `weight` is empty)
+    _block_parts: dict[int, GGUFBlocks] | None = None
 
     def pack_for_cpu(self) -> bool:
         """Replace the weight by a oneDNN-packed copy; False where oneDNN cannot pack it."""
+        if self.quant is not None:
+            return True  # the blocks are the kernel's own layout
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, PACK_BATCH_HINT)
         except (RuntimeError, AttributeError):
@@ -43,9 +53,35 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ bias) for 2-D x, whatever the storage."""
+        if self.quant is not None:
+            from infire.kernels.cpu_forward import quant_linear
+
+            y = quant_linear(self.quant, x).to(x.dtype)
+            return y if bias is None else y + bias
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [None], "")
         return F.linear(x, self.weight, bias)
+
+    def _hold_blocks(self, shard_index: int, part: GGUFBlocks, shards: int) -> None:
+        """Keep one logical weight's blocks; with all `shards` of them, serve the weight so."""
+        from infire.kernels.cpu_forward import QuantWeight
+
+        self._block_parts = {**(self._block_parts or {}), shard_index: part}
+        if len(self._block_parts) == shards:
+            self.quant = QuantWeight([self._block_parts[i] for i in range(shards)])
+            self._block_parts = None
+            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+
+
+def check_blocks(part: GGUFBlocks, rows: int, cols: int) -> None:
+    """A ValueError unless `part` holds a [rows, cols] weight."""
+    from infire.kernels.cpu_forward import block_layout
+
+    kind, data, index = part
+    values, size = block_layout(kind)
+    stored = (data.shape[0] if index is None else index.numel(), data.shape[1] // size * values)
+    if stored != (rows, cols):
+        raise ValueError(f"blocks: expected shape {[rows, cols]}, got {list(stored)}")
 
 
 # oneDNN picks its blocking for this many rows; it stays fast from 1 to 512 rows.
@@ -90,6 +126,14 @@ class ColumnParallelLinear(LinearBase):
         start, length = self.slices[shard_index]
         offset = sum(self.output_sizes[:shard_index])
         loaded.read_into(param.data[offset : offset + length], 0, start, length)
+
+    def load_blocks(self, part: GGUFBlocks, shard_index: int = 0) -> None:
+        """Hold this rank's rows of logical weight `shard_index` as GGUF blocks (a view)."""
+        from infire.kernels.cpu_forward import block_rows
+
+        check_blocks(part, self.full_sizes[shard_index], self.input_size)
+        start, length = self.slices[shard_index]
+        self._hold_blocks(shard_index, block_rows(part, start, length), len(self.slices))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -149,3 +193,11 @@ class RowParallelLinear(LinearBase):
         if tuple(loaded.shape) != expected:
             raise ValueError(f"{name}: expected shape {list(expected)}, got {list(loaded.shape)}")
         loaded.read_into(self.weight.data, 1, self.input_start, self.input_size)
+
+    def load_blocks(self, part: GGUFBlocks, shard_index: int = 0) -> None:
+        """Hold this rank's columns of the weight as GGUF blocks: the same whole blocks of
+        every row (a view); a ValueError where the rank's columns would split a block."""
+        from infire.kernels.cpu_forward import block_columns
+
+        check_blocks(part, self.weight.shape[0], self.full_input_size)
+        self._hold_blocks(0, block_columns(part, self.input_start, self.input_size), 1)

@@ -213,15 +213,20 @@ class CausalLM(nn.Module):
         self,
         weights: WeightSource | dict[str, torch.Tensor],
         skip: Callable[[str], bool] | None = None,
+        blocks: Callable[[str], Any] | None = None,
     ) -> None:
         """Load this stage's parameters from a checkpoint keyed by Hugging Face names (a lazy
         source or a dict of full tensors), each module reading only its slice; every
         parameter must be set, except those of the tensors `skip` names, which are left
         unwritten (a fused forward holds them in another form: their pages are never
-        touched, so they take no memory until drop_matmul_weights frees them)."""
+        touched, so they take no memory until drop_matmul_weights frees them). With
+        `blocks` (a quantized GGUF's GGUFSource.blocks), the linears, the embedding and the
+        head hold their slices of the file's blocks where the kernel reads their type."""
         source = as_source(weights)
         modules = dict(self.named_modules())
         loaded: set[Target] = set()
+        embed, head = self.embed_tokens, self.lm_head
+        tied = head is not None and embed is not None and head.weight is embed.weight
         for hf_name in source.names():
             target = self._resolve(hf_name)
             if target is None:
@@ -231,7 +236,10 @@ class CausalLM(nn.Module):
                 raise ModelLoadError(f"checkpoint tensor {hf_name} has no place in the model")
             module = modules[module_name]
             try:
-                if skip is None or not skip(hf_name):
+                stored = _readable_blocks(blocks, hf_name, module, param_name)
+                if stored is not None:
+                    module.load_blocks(stored, shard)
+                elif skip is None or not skip(hf_name):
                     module.load_shard(param_name, source.get_slice(hf_name), shard)
             except (ValueError, RuntimeError, KeyError, AttributeError) as e:
                 raise ModelLoadError(f"checkpoint tensor {hf_name}: {e}") from None
@@ -240,6 +248,9 @@ class CausalLM(nn.Module):
                 loaded.update((module_name, param_name, i) for i in range(count))
             else:
                 loaded.add(target)
+        if tied and embed.quant is not None:  # the head reads the embedding's blocks
+            head.hold_quant(embed.quant)
+            head.weight = embed.weight  # still one (empty) parameter
         self._check_complete(modules, loaded)
 
     def resolve_in_layer(self, parent: str, leaf: str, param: str) -> Target | None:
@@ -332,3 +343,16 @@ class CausalLM(nn.Module):
         if parts[0] == "layers":
             parts[1] = str(int(parts[1]) + self.layer_range[0])
         return ".".join(parts)
+
+
+def _readable_blocks(
+    blocks: Callable[[str], Any] | None, name: str, module: nn.Module, param: str
+) -> Any:
+    """The GGUF blocks of checkpoint tensor `name` where `module` holds its weight so (a
+    linear, the embedding or the head) and the kernel reads their type, else None."""
+    if blocks is None or param != "weight" or not hasattr(module, "load_blocks"):
+        return None
+    from infire.kernels.cpu_forward import READ_TYPES
+
+    stored = blocks(name)
+    return stored if stored is not None and stored[0] in READ_TYPES else None

@@ -1,0 +1,135 @@
+"""Quantized GGUF blocks on tensor- and pipeline-parallel ranks (gloo, real processes):
+each rank's linears hold their slice of the file's blocks (whole rows for column-parallel
+layers, whole blocks of every row for row-parallel ones), nothing is dequantized, the
+greedy tokens are one rank's up to near-ties, and a tensor-parallel size whose cut would
+split a block is refused, naming the tensor, with no process left behind."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from gguf_writer import common_metadata, hf_config, hf_tensors, llama_like_tensors, write_gguf
+from greedy_verdicts import compare_greedy
+from infire import LLM, SamplingParams
+from infire.errors import ModelLoadError
+from infire.kernels.cpu_forward import available
+from infire.layers.embedding import VocabParallelEmbedding
+from infire.layers.linear import LinearBase
+from tiny_models import write_tiny_model
+
+pytestmark = pytest.mark.skipif(not available(), reason="no fused CPU kernel here")
+
+PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Call me at", "Is water wet?"]
+
+
+def _greedy(model: str | None, tp: int, pp: int, prompts: list, tokens: int) -> tuple[list, LLM]:
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=2)
+    llm = LLM(model, dtype="float32", num_blocks=64, tensor_parallel_size=tp,
+              pipeline_parallel_size=pp)  # fmt: skip
+    return [o.outputs[0] for o in llm.generate(prompts, params)], llm
+
+
+def _held_blocks(llm: LLM) -> dict[str, tuple[int, int]]:
+    """Rank 0's linears and embedding: (rows, bytes per row) of the blocks each holds;
+    asserts that none holds a float weight."""
+    held = {}
+    for name, module in llm.engine.runner.model.named_modules():
+        if isinstance(module, LinearBase | VocabParallelEmbedding):
+            assert module.quant is not None and module.weight.numel() == 0, name
+            _, data, index = module.quant.parts_blocks[0]
+            held[name] = (module.quant.rows, data.shape[1])
+    return held
+
+
+def test_smollm2_blocks_on_tensor_and_pipeline_ranks() -> None:
+    reference, llm = _greedy(None, 1, 1, PROMPTS, 12)
+    with llm:
+        assert llm.engine.runner.fused_status == "active, GGUF blocks"
+    outputs = {}
+    for tp, pp in [(3, 1), (3, 2), (1, 2)]:
+        got, llm = _greedy(None, tp, pp, PROMPTS, 12)
+        with llm:
+            assert "GGUF blocks in the PyTorch path's linears" in llm.engine.runner.fused_status
+            held = _held_blocks(llm)
+        outputs[tp, pp] = [o.token_ids for o in got]
+        print((tp, pp), "per prompt:", compare_greedy(got, reference))
+        if tp == 3:  # 9 heads, 3 KV heads, 576 hidden, 1536 intermediate: a third each
+            layer = "layers.0."
+            assert held[layer + "self_attn.qkv_proj"][0] == (3 + 1 + 1) * 64
+            assert held[layer + "self_attn.o_proj"] == (576, 192 // 32 * 20)  # Q4_1
+            assert held[layer + "mlp.gate_up_proj"][0] == 2 * 512
+            assert held[layer + "mlp.down_proj"] == (576, 512 // 32 * 20)
+            assert held["embed_tokens"][0] == 49152 // 3
+    # the same shards on a pipeline: the same arithmetic, token for token
+    assert outputs[3, 2] == outputs[3, 1]
+
+
+@pytest.fixture(scope="module")
+def tiny_k_quant(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny random Llama in K-quants (Q4_K, Q5_K o_proj, Q6_K v/down/head, Q8_0
+    embedding) of a given hidden size."""
+
+    def write(hidden: int) -> Path:
+        folder = tmp_path_factory.mktemp(f"tiny-k-{hidden}")
+        write_tiny_model(folder, "llama", seed=5, hidden_size=hidden,
+                         intermediate_size=2 * hidden, num_attention_heads=4,
+                         num_key_value_heads=2)  # fmt: skip
+        config = hf_config(folder)
+        tensors = llama_like_tensors(hf_tensors(folder), config, permute=True)
+        types = {name: kind for name in tensors if (kind := _k_type(name)) is not None}
+        return write_gguf(folder, folder / "tiny-k.gguf", "llama",
+                          common_metadata(config, "llama"), tensors, types)  # fmt: skip
+
+    return write
+
+
+def _k_type(name: str):
+    from gguf import GGMLQuantizationType as T
+
+    if name == "token_embd.weight":
+        return T.Q8_0
+    if name == "output.weight" or ".attn_v." in name or ".ffn_down." in name:
+        return T.Q6_K
+    if ".attn_output." in name:
+        return T.Q5_K
+    if name.startswith("blk.") and name.endswith(".weight") and "norm" not in name:
+        return T.Q4_K
+    return None
+
+
+def test_k_quant_blocks_on_two_ranks(tiny_k_quant) -> None:
+    """Hidden 512: each rank's o_proj and down_proj take whole 256-value blocks."""
+    path = str(tiny_k_quant(512))
+    prompts = [[(5 * i + 11 * j) % 200 + 3 for j in range(n)] for i, n in enumerate([4, 17, 40])]
+    reference, llm = _greedy(path, 1, 1, prompts, 16)
+    llm.shutdown()
+    got, llm = _greedy(path, 2, 1, prompts, 16)
+    with llm:
+        held = _held_blocks(llm)
+    assert held["layers.0.self_attn.o_proj"] == (512, 176)  # one Q5_K block a row
+    assert held["layers.0.mlp.down_proj"] == (512, 2 * 210)  # two Q6_K blocks a row
+    print("per prompt:", compare_greedy(got, reference))
+
+
+def _child_pids() -> set[int]:
+    pids: set[int] = set()
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            pids |= {int(p) for p in f.read().split()}
+    return pids
+
+
+def test_a_cut_inside_a_block_is_refused(tiny_k_quant) -> None:
+    """Hidden 256 on two ranks: o_proj's 128 columns a rank would split its Q5_K blocks."""
+    path = str(tiny_k_quant(256))
+    before = _child_pids()
+    with pytest.raises(ModelLoadError, match=r"o_proj\.weight: columns 0\.\.128 split its "
+                       r"Q5_K blocks of 256 values.*--quantization none"):  # fmt: skip
+        LLM(path, dtype="float32", num_blocks=64, tensor_parallel_size=2)
+    assert _child_pids() <= before
+    with LLM(path, dtype="float32", num_blocks=64, tensor_parallel_size=2,
+             quantization="none") as llm:  # fmt: skip
+        assert "GGUF blocks" not in llm.engine.runner.fused_status
