@@ -593,14 +593,13 @@ static inline long value_byte(int type, long i) { return value_offset(type, 256 
 
 /* Fetch both rows' blocks PREFETCH_VALUES ahead of value `at` (row1 may be NULL); inlined
  * so that the type's block size folds to a constant. The K-quants' blocks go to the outer
- * caches (Q4_K decode from memory 23 -> 31 GB/s on Zen 4, Q6_K 18 -> 33), the legacy
- * types' to L1 (into the outer caches they were no faster, and SmolLM2's Q4_1 decode
- * slower). */
+ * caches (decode from memory on Zen 4: Q4_K 23 -> 31 GB/s, Q6_K 18 -> 33), the legacy
+ * types' to L1 (SmolLM2's Q4_1 decode was no faster with them in the outer caches). */
 static inline __attribute__((always_inline)) void prefetch_rows(
     int type, const uint8_t *row0, const uint8_t *row1, long at) {
     const char *p0 = (const char *)row0 + value_byte(type, at + PREFETCH_VALUES);
     const char *p1 = row1 ? (const char *)row1 + value_byte(type, at + PREFETCH_VALUES) : NULL;
-    if (type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K) {
+    if (is_k_quant(type)) {
         _mm_prefetch(p0, _MM_HINT_T2);
         if (p1) _mm_prefetch(p1, _MM_HINT_T2);
     } else {
@@ -793,9 +792,45 @@ static inline __attribute__((always_inline)) void rows_dots_q_typed(
  */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")))
 
+/* unpack64 of two whole Q4_0, Q4_1 or Q8_0 blocks, in vectors: the same codes, A and B
+ * (the scales converted four at a time, the nibbles of both blocks split at once). */
+static inline AVX512 __attribute__((always_inline)) __m512i unpack64_pair(
+    int type, const uint8_t *row, int h, __m128 *a, __m128 *b) {
+    const long size = type == GGML_Q8_0 ? 34 : type == GGML_Q4_1 ? 20 : 18;
+    const uint8_t *b0 = row + size * 2 * h, *b1 = b0 + size;
+    if (type == GGML_Q8_0) { /* signed codes: w + 128, and the offset takes it back */
+        __m256i u0 = _mm256_loadu_si256((const __m256i *)(b0 + 2));
+        __m256i u1 = _mm256_loadu_si256((const __m256i *)(b1 + 2));
+        uint16_t d0, d1;
+        memcpy(&d0, b0, 2);
+        memcpy(&d1, b1, 2);
+        __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(d0 | (uint32_t)d1 << 16)); /* d0 d1 */
+        *a = _mm_unpacklo_ps(d, d);
+        *b = _mm_mul_ps(_mm_set1_ps(-128.0f), *a);
+        __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(u0), u1, 1);
+        return _mm512_xor_si512(u, _mm512_set1_epi8((char)0x80));
+    }
+    const int one = type == GGML_Q4_1;
+    uint32_t s0, s1; /* d, and m for Q4_1 */
+    memcpy(&s0, b0, 4);
+    memcpy(&s1, b1, 4);
+    __m128 dm = _mm_cvtph_ps(_mm_cvtsi64_si128((long long)(s0 | (uint64_t)s1 << 32)));
+    /* dm: d0 m0 d1 m1 (Q4_1), d0 x d1 x (Q4_0) */
+    *a = _mm_shuffle_ps(dm, dm, _MM_SHUFFLE(2, 2, 0, 0));
+    *b = one ? _mm_shuffle_ps(dm, dm, _MM_SHUFFLE(3, 3, 1, 1)) : _mm_mul_ps(_mm_set1_ps(-8.0f), *a);
+    __m256i v = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + 2 + 2 * one))),
+        _mm_loadu_si128((const __m128i *)(b1 + 2 + 2 * one)), 1);
+    __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+    u = _mm512_and_si512(u, _mm512_set1_epi8(0x0F)); /* lo0 lo1 hi0 hi1 */
+    return _mm512_shuffle_i64x2(u, u, _MM_SHUFFLE(3, 1, 2, 0)); /* lo0 hi0 lo1 hi1 */
+}
+
 /* Blocks 2 h and 2 h + 1 of a row: 64 unsigned codes, and A and B for each 16. */
 static inline AVX512 __attribute__((always_inline)) __m512i unpack64(
     int type, const uint8_t *row, int h, int blocks, __m128 *a, __m128 *b) {
+    if (2 * h + 1 < blocks && (type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0))
+        return unpack64_pair(type, row, h, a, b);
     float lo[4], hi[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     __m256i u0 = unpack32(type, row, 2 * h, lo), u1 = _mm256_setzero_si256();
     if (2 * h + 1 < blocks) u1 = unpack32(type, row, 2 * h + 1, hi);
