@@ -929,9 +929,63 @@ static inline AVX512 __attribute__((always_inline)) void rows_dots_k512_typed(
     for (int t = 0; t < nt; t++) hsum_rows(nr, acc[0][t], acc[1][t], out0 + t, out1 + t);
 }
 
+/* The sum of a (row, token) product's float accumulators. */
+static inline AVX512 __attribute__((always_inline)) float q512_total(__m512 acc, __m128 off) {
+    off = _mm_add_ps(off, _mm_movehl_ps(off, off));
+    return _mm512_reduce_add_ps(acc) + _mm_cvtss_f32(_mm_add_ss(off, _mm_movehdup_ps(off)));
+}
+
+#define Q_TOKENS 4 /* tokens whose legacy-type sums stay in registers */
+
+/* rows_dots_q512_typed for several tokens: both rows are unpacked once into a buffer,
+ * then each group of Q_TOKENS tokens runs every step with its sums in registers. Each
+ * (row, token) product runs rows_dots_q512_typed's operations, in the same order. */
+static inline AVX512 __attribute__((always_inline)) void rows_dots_q512_batch(
+    const int type, const int nr, const uint8_t *row0, const uint8_t *row1, int nt,
+    const QuantX *x, float *out0, float *out1) {
+    const int cols = x->cols, blocks = cols / QX_BLOCK, steps = (blocks + 1) / 2;
+    const int qs = q_stride(cols), xs_stride = x_stride(cols);
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const uint8_t *rows[2] = {row0, row1};
+    float *outs[2] = {out0, out1};
+    __m512i codes[2][steps];
+    __m128 a[2][steps], b[2][steps];
+    for (int h = 0; h < steps; h++) {
+        prefetch_rows(type, row0, nr == 2 ? row1 : NULL, 64L * h);
+        for (int r = 0; r < nr; r++) codes[r][h] = unpack64(type, rows[r], h, blocks, &a[r][h], &b[r][h]);
+    }
+    for (int t0 = 0; t0 < nt; t0 += Q_TOKENS) {
+        const int group = nt - t0 < Q_TOKENS ? nt - t0 : Q_TOKENS;
+        __m512 acc[2][Q_TOKENS];
+        __m128 off[2][Q_TOKENS];
+        for (int r = 0; r < 2; r++)
+            for (int j = 0; j < Q_TOKENS; j++) acc[r][j] = _mm512_setzero_ps(), off[r][j] = _mm_setzero_ps();
+        for (int h = 0; h < steps; h++)
+            for (int j = 0; j < Q_TOKENS; j++) {
+                if (j >= group) break;
+                const long t = t0 + j;
+                __m512i q = _mm512_loadu_si512(x->q + t * qs + 64 * h);
+                __m128 dx = _mm_loadu_ps(x->scale + t * xs_stride + 4 * h);
+                __m128 xs = _mm_loadu_ps(x->xsum + t * xs_stride + 4 * h);
+                for (int r = 0; r < nr; r++) {
+                    __m512 p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[r][h], q));
+                    __m512 sc = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(a[r][h], dx)));
+                    acc[r][j] = _mm512_fmadd_ps(p, sc, acc[r][j]);
+                    off[r][j] = _mm_fmadd_ps(b[r][h], xs, off[r][j]);
+                }
+            }
+        for (int r = 0; r < nr; r++)
+            for (int j = 0; j < group; j++) outs[r][t0 + j] = q512_total(acc[r][j], off[r][j]);
+    }
+}
+
 static inline AVX512 __attribute__((always_inline)) void rows_dots_q512_typed(
     const int type, const int nr, const uint8_t *row0, const uint8_t *row1, int nt,
     const QuantX *x, float *out0, float *out1) {
+    if (nt > 1) {
+        rows_dots_q512_batch(type, nr, row0, row1, nt, x, out0, out1);
+        return;
+    }
     if (nr == 1) row1 = NULL;
     const int cols = x->cols, blocks = cols / QX_BLOCK, steps = (blocks + 1) / 2;
     const int qs = q_stride(cols), xs_stride = x_stride(cols);
@@ -964,13 +1018,8 @@ static inline AVX512 __attribute__((always_inline)) void rows_dots_q512_typed(
         }
     }
     for (int t = 0; t < nt; t++) {
-        __m128 o = off0[t];
-        o = _mm_add_ps(o, _mm_movehl_ps(o, o));
-        out0[t] = _mm512_reduce_add_ps(acc0[t]) + _mm_cvtss_f32(_mm_add_ss(o, _mm_movehdup_ps(o)));
-        if (!row1) continue;
-        o = off1[t];
-        o = _mm_add_ps(o, _mm_movehl_ps(o, o));
-        out1[t] = _mm512_reduce_add_ps(acc1[t]) + _mm_cvtss_f32(_mm_add_ss(o, _mm_movehdup_ps(o)));
+        out0[t] = q512_total(acc0[t], off0[t]);
+        if (row1) out1[t] = q512_total(acc1[t], off1[t]);
     }
 }
 
