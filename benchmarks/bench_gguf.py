@@ -23,7 +23,12 @@ llama-cpp-python's C API in `.bench-venv`. Measures:
   with the same KV reservation (the larger run's tokens, bf16 / f16);
 - the roofline fraction of batch-1 decode: the bytes a token reads (the weights' blocks;
   the KV of a short context is negligible) times tok/s, over this machine's read
-  bandwidth (a 400 MB torch sum on the same threads).
+  bandwidth (a 400 MB torch sum on the same threads);
+- the compute ceiling of the batch-32 workload: its integer multiply-adds (every matmul
+  weight once per prompt and generated token, the head once per generated token) at the
+  machine's peak rate of int8 products in the instruction mix of llama.cpp's arithmetic
+  (benchmarks/int8_peak.c: no memory traffic, independent chains), as output tok/s; and
+  the kernel's own rate at batch 32 on a weight that stays in cache.
 
 Results go to benchmarks/results/gguf.json and docs/benchmarks-gguf.png.
 
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
@@ -236,6 +242,84 @@ def read_bandwidth() -> float:
     return 5 * data.numel() * 4 / (time.perf_counter() - start)
 
 
+def int8_peaks() -> dict[str, float]:
+    """Int8 products a second (2 ops each) of each instruction mix in int8_peak.c, on
+    THREADS threads."""
+    import ctypes
+
+    import torch
+
+    from infire.native import compile_library
+
+    torch.set_num_threads(THREADS)
+    lib = compile_library(Path(__file__).with_name("int8_peak.c"),
+                          ("-O2", "-fopenmp", "-shared", "-fPIC"))  # fmt: skip
+    if isinstance(lib, str):
+        raise RuntimeError(lib)
+    peaks = {}
+    for mix in ("dpbusd", "k_quant", "legacy"):
+        run = getattr(lib, f"peak_{mix}")
+        run.restype, run.argtypes = ctypes.c_long, [ctypes.c_long]
+        run(1_000_000)
+        best = 0.0
+        for _ in range(3):
+            start = time.perf_counter()
+            done = run(20_000_000)
+            best = max(best, 2 * done / (time.perf_counter() - start))
+        peaks[mix] = best
+    return peaks
+
+
+def kernel_rate(kind: int, cols: int) -> float:
+    """Ops a second of infire's products at batch 32 on a [512, cols] weight of GGML type
+    `kind` (random blocks: the rate does not depend on the values) that stays in cache."""
+    import numpy as np
+    import torch
+
+    from infire.kernels.cpu_forward import QuantWeight, block_layout, quant_linear
+
+    torch.set_num_threads(THREADS)
+    values, size = block_layout(kind)
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (512, cols // values * size), dtype=np.uint8)
+    if kind >= 12:  # K-quants: finite fp16 d, dmin at the start of each block (Q6_K: the end)
+        at = 208 if kind == 14 else 0
+        view = blocks.reshape(512, -1, size)
+        view[..., at : at + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+        if kind != 14:
+            view[..., 2:4] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    else:
+        view = blocks.reshape(512, -1, size)
+        view[..., 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+        if kind in (3, 7):
+            view[..., 2:4] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    weight = QuantWeight([(kind, torch.from_numpy(blocks), None)])
+    x = torch.randn(32, cols)
+    for _ in range(20):
+        quant_linear(weight, x)
+    best = 0.0
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(50):
+            quant_linear(weight, x)
+        best = max(best, 50 * 2 * 512 * cols * 32 / (time.perf_counter() - start))
+    return best
+
+
+def batch_ops(weights: object, sizes: dict) -> float:
+    """Integer ops (2 per multiply-add) of the batch-32 workload's matmuls."""
+    names = list(weights.names())
+    head = "lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight"
+    body = sum(
+        math.prod(weights.shape(name))
+        for name in names
+        if len(weights.shape(name)) == 2 and name not in (head, "model.embed_tokens.weight")
+    )
+    prompts = sizes["batch"] * (sizes["prompt"] + sizes["batch_tokens"])
+    outputs = sizes["batch"] * sizes["batch_tokens"]
+    return 2.0 * (body * prompts + math.prod(weights.shape(head)) * outputs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="SmolLM2 only, fewer tokens")
@@ -250,6 +334,7 @@ def main() -> None:
             print(json.dumps(run_infire(path, json.loads(sizes), ENGINES[engine])))
         return
     sys.path.insert(0, str(Path(__file__).parent))
+    import gguf
     from machine_load import wait_until_idle
 
     from infire.bench.plot import save
@@ -265,11 +350,21 @@ def main() -> None:
         RESULTS.mkdir(parents=True, exist_ok=True)
         files["Llama 0.54B Q4_K_M (random)"] = random_q4_k_m(RESULTS / "llama-0.54b-q4_k_m.gguf")
     bandwidth = read_bandwidth()
-    results: dict = {"bandwidth_gbs": bandwidth / 1e9, "sizes": sizes, "files": {}}
+    peaks = int8_peaks()
+    results: dict = {"bandwidth_gbs": bandwidth / 1e9, "sizes": sizes, "files": {},
+                     "int8_peak_gops": {mix: rate / 1e9 for mix, rate in peaks.items()}}  # fmt: skip
     for label, path in files.items():
         _, weights, _ = load_gguf(path, __import__("torch").bfloat16)
         stored = sum(size for _, _, _, size in weights.type_counts())
         row = results["files"][label] = {"file_bytes": path.stat().st_size, "weights_bytes": stored}
+        kind = int(gguf.GGMLQuantizationType[weights.type_counts()[0][0]])  # the most bytes
+        mix = "k_quant" if kind in (12, 13, 14) else "legacy"
+        ops = batch_ops(weights, sizes)
+        row["ceiling"] = {
+            "batch_ops": ops, "mix": mix, "type": kind,
+            "peak_tok_s": sizes["batch"] * sizes["batch_tokens"] / (ops / peaks[mix]),
+            "kernel_gops": kernel_rate(kind, SHAPE["hidden"]) / 1e9,
+        }  # fmt: skip
         runs = [(name, sys.executable) for name in ENGINES] + [("llama.cpp", str(PEER_PYTHON))]
         for engine, python in runs:
             wait_until_idle([], 0.15, 60)
@@ -279,7 +374,16 @@ def main() -> None:
             row[engine]["roofline"] = stored * row[engine]["decode"] / bandwidth
             print(label, engine, json.dumps(row[engine]), flush=True)
     (RESULTS / "gguf.json").write_text(json.dumps(results, indent=2))
-    print(f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s on {THREADS} threads\n")
+    print(f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s on {THREADS} threads")
+    print("int8 products, peak of each instruction mix: "
+          + ", ".join(f"{mix} {rate / 1e9:.0f} GOP/s" for mix, rate in peaks.items()))  # fmt: skip
+    for label, row in results["files"].items():
+        c = row["ceiling"]
+        needed = 3 * row["llama.cpp"]["batch"]
+        print(f"{label}: batch-32 {c['batch_ops'] / 1e12:.2f} Tops; at the {c['mix']} peak "
+              f"<= {c['peak_tok_s']:.0f} tok/s (3x llama.cpp: {needed:.0f}); infire's kernel "
+              f"{c['kernel_gops']:.0f} GOP/s in cache")  # fmt: skip
+    print()
     print(
         "| file | engine | decode tok/s | prefill tok/s | batch-32 tok/s | peak RSS MB | roofline |"
     )

@@ -1,0 +1,73 @@
+/*
+ * The machine's ceiling for GGUF products (benchmarks/bench_gguf.py): how many int8
+ * multiply-adds a second the cores retire in the instruction mix each arithmetic needs,
+ * with no memory traffic and no dependency stalls (12 independent chains a thread):
+ *   dpbusd:  vpdpbusd alone, 64 u8 x s8 products an instruction (the instruction set's peak);
+ *   k_quant: vpmaddubsw then vpdpwssd, 64 products a pair (K-quants: 16-bit pair sums times
+ *            each sub-block's scale, llama.cpp's arithmetic for Q4_K/Q5_K/Q6_K);
+ *   legacy:  vpdpbusd, then the 32-value blocks' sums to float and a fused multiply-add by
+ *            the two scales' product (Q4_0/Q4_1/Q8_0: a float scale per 32 values).
+ * Each returns the multiply-adds it did (summed over the OpenMP threads).
+ */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")))
+#define CHAINS 12
+
+static volatile int sink;
+
+AVX512 long peak_dpbusd(long iters) {
+    long total = 0;
+#pragma omp parallel reduction(+ : total)
+    {
+        __m512i u = _mm512_set1_epi8(3 + omp_get_thread_num()), x = _mm512_set1_epi8(-5);
+        __m512i acc[CHAINS];
+        for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_set1_epi32(c);
+        for (long i = 0; i < iters; i++)
+            for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_dpbusd_epi32(acc[c], u, x);
+        for (int c = 1; c < CHAINS; c++) acc[0] = _mm512_add_epi32(acc[0], acc[c]);
+        sink = _mm512_reduce_add_epi32(acc[0]);
+        total = iters * CHAINS * 64;
+    }
+    return total;
+}
+
+AVX512 long peak_k_quant(long iters) {
+    long total = 0;
+#pragma omp parallel reduction(+ : total)
+    {
+        __m512i u = _mm512_set1_epi8(3 + omp_get_thread_num()), x = _mm512_set1_epi8(-5);
+        __m512i sc = _mm512_set1_epi16(7);
+        __m512i acc[CHAINS];
+        for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_set1_epi32(c);
+        for (long i = 0; i < iters; i++)
+            for (int c = 0; c < CHAINS; c++)
+                acc[c] = _mm512_dpwssd_epi32(acc[c], _mm512_maddubs_epi16(u, x), sc);
+        for (int c = 1; c < CHAINS; c++) acc[0] = _mm512_add_epi32(acc[0], acc[c]);
+        sink = _mm512_reduce_add_epi32(acc[0]);
+        total = iters * CHAINS * 64;
+    }
+    return total;
+}
+
+AVX512 long peak_legacy(long iters) {
+    long total = 0;
+#pragma omp parallel reduction(+ : total)
+    {
+        __m512i u = _mm512_set1_epi8(3 + omp_get_thread_num()), x = _mm512_set1_epi8(-5);
+        __m512 scale = _mm512_set1_ps(0.01f);
+        __m512 acc[CHAINS];
+        for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_set1_ps((float)c);
+        for (long i = 0; i < iters; i++)
+            for (int c = 0; c < CHAINS; c++) {
+                __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x);
+                acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, acc[c]);
+            }
+        for (int c = 1; c < CHAINS; c++) acc[0] = _mm512_add_ps(acc[0], acc[c]);
+        sink = (int)_mm512_reduce_add_ps(acc[0]);
+        total = iters * CHAINS * 64;
+    }
+    return total;
+}
