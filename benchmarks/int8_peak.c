@@ -5,15 +5,16 @@
  *   dpbusd:  vpdpbusd alone, 64 u8 x s8 products an instruction (the instruction set's peak);
  *   k_quant: vpmaddubsw then vpdpwssd, 64 products a pair (K-quants: 16-bit pair sums times
  *            each sub-block's scale, llama.cpp's arithmetic for Q4_K/Q5_K/Q6_K);
- *   legacy:  vpdpbusd, then the 32-value blocks' sums to float and a fused multiply-add by
- *            the two scales' product (Q4_0/Q4_1/Q8_0: a float scale per 32 values).
+ *   legacy:  vpdpbusd, then per 16 values the sums to float, the product of the weights'
+ *            and the activations' scales, a fused multiply-add, and one for the offset
+ *            (Q4_0/Q4_1/Q8_0: float scales per 32 values, llama.cpp's and infire's work).
  * Each returns the multiply-adds it did (summed over the OpenMP threads).
  */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")))
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,fma")))
 #define CHAINS 12
 
 static volatile int sink;
@@ -57,16 +58,19 @@ AVX512 long peak_legacy(long iters) {
 #pragma omp parallel reduction(+ : total)
     {
         __m512i u = _mm512_set1_epi8(3 + omp_get_thread_num()), x = _mm512_set1_epi8(-5);
-        __m512 scale = _mm512_set1_ps(0.01f);
+        __m512 a = _mm512_set1_ps(0.01f), dx = _mm512_set1_ps(0.02f);
+        __m128 b = _mm_set1_ps(0.5f), xs = _mm_set1_ps(0.25f);
         __m512 acc[CHAINS];
-        for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_set1_ps((float)c);
+        __m128 off[CHAINS];
+        for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_set1_ps((float)c), off[c] = _mm_setzero_ps();
         for (long i = 0; i < iters; i++)
             for (int c = 0; c < CHAINS; c++) {
                 __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x);
-                acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, acc[c]);
+                acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(a, dx), acc[c]);
+                off[c] = _mm_fmadd_ps(b, xs, off[c]);
             }
-        for (int c = 1; c < CHAINS; c++) acc[0] = _mm512_add_ps(acc[0], acc[c]);
-        sink = (int)_mm512_reduce_add_ps(acc[0]);
+        for (int c = 1; c < CHAINS; c++) acc[0] = _mm512_add_ps(acc[0], acc[c]), off[0] = _mm_add_ps(off[0], off[c]);
+        sink = (int)(_mm512_reduce_add_ps(acc[0]) + _mm_cvtss_f32(off[0]));
         total = iters * CHAINS * 64;
     }
     return total;

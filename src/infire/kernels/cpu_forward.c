@@ -949,10 +949,15 @@ static inline AVX512 __attribute__((always_inline)) void rows_dots_q512_batch(
     const uint8_t *rows[2] = {row0, row1};
     float *outs[2] = {out0, out1};
     __m512i codes[2][steps];
-    __m128 a[2][steps], b[2][steps];
+    __m512 a[2][steps]; /* each 16's A, as the lanes of the products take it */
+    __m128 b[2][steps];
     for (int h = 0; h < steps; h++) {
         prefetch_rows(type, row0, nr == 2 ? row1 : NULL, 64L * h);
-        for (int r = 0; r < nr; r++) codes[r][h] = unpack64(type, rows[r], h, blocks, &a[r][h], &b[r][h]);
+        for (int r = 0; r < nr; r++) {
+            __m128 a4;
+            codes[r][h] = unpack64(type, rows[r], h, blocks, &a4, &b[r][h]);
+            a[r][h] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(a4));
+        }
     }
     for (int t0 = 0; t0 < nt; t0 += Q_TOKENS) {
         const int group = nt - t0 < Q_TOKENS ? nt - t0 : Q_TOKENS;
@@ -965,12 +970,12 @@ static inline AVX512 __attribute__((always_inline)) void rows_dots_q512_batch(
                 if (j >= group) break;
                 const long t = t0 + j;
                 __m512i q = _mm512_loadu_si512(x->q + t * qs + 64 * h);
-                __m128 dx = _mm_loadu_ps(x->scale + t * xs_stride + 4 * h);
+                __m128 dx4 = _mm_loadu_ps(x->scale + t * xs_stride + 4 * h);
+                __m512 dx = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(dx4));
                 __m128 xs = _mm_loadu_ps(x->xsum + t * xs_stride + 4 * h);
                 for (int r = 0; r < nr; r++) {
                     __m512 p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[r][h], q));
-                    __m512 sc = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(a[r][h], dx)));
-                    acc[r][j] = _mm512_fmadd_ps(p, sc, acc[r][j]);
+                    acc[r][j] = _mm512_fmadd_ps(p, _mm512_mul_ps(a[r][h], dx), acc[r][j]);
                     off[r][j] = _mm_fmadd_ps(b[r][h], xs, off[r][j]);
                 }
             }
