@@ -33,7 +33,7 @@ from infire.layers.attention import AttentionMetadata, DecodeGroup, PrefillGroup
 from infire.layers.kv_spec import AttentionWindow
 from infire.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from infire.models.registry import family_named
-from infire.native import release_free_heap
+from infire.native import bound_heap_retention, release_free_heap
 from infire.parallel import SINGLE, TensorParallelGroup
 
 
@@ -73,6 +73,8 @@ class ModelRunner:
         forward does not run), by each linear, its tp slice cut on block boundaries."""
         self.config = config
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            bound_heap_retention()  # freed tensors go back to the system
         self.dtype = dtype
         self.block_size = cache_config.block_size
         self.tp = tp
