@@ -1100,10 +1100,29 @@ static inline int is_float_type(int type) {
     return type == GGML_F32 || type == GGML_F16 || type == GGML_BF16;
 }
 
+/* The first row pair at or after `share` bytes of a weight's rows (pairs of a `rows`-row
+ * weight). */
+static int pair_at_bytes(const QuantWeight *w, int pairs, long share) {
+    long before = 0;
+    int first_row = 0;
+    for (int p = 0; p < w->num_parts; p++) {
+        const long bytes = (long)w->parts[p].rows * w->parts[p].row_bytes;
+        if (before + bytes > share) {
+            long row = first_row + (share - before + w->parts[p].row_bytes - 1) / w->parts[p].row_bytes;
+            int pair = (int)((row + 1) / 2);
+            return pair < pairs ? pair : pairs;
+        }
+        before += bytes;
+        first_row += w->parts[p].rows;
+    }
+    return pairs;
+}
+
 /* y[t, :rows] (+)= W x[t] (+ bias) for a QuantWeight, inside a parallel region: per block
  * of tokens each thread quantizes their activations (cheap next to the product: per 32
- * values where a legacy part needs them, per 256 where a K-quant part does), then the
- * threads share the rows, each row unpacked once for the block's tokens. */
+ * values where a legacy part needs them, per 256 where a K-quant part does), then takes
+ * its share of the rows, each row unpacked once for the block's tokens. The shares are
+ * equal in bytes, not rows: a q|k|v whose v is Q6_K has heavier rows at its end. */
 static void quant_linear_impl(const QuantWeight *w, const float *bias, const float *x, int n,
                               int cols, float *y, int rows, int ldy, int accumulate) {
     int legacy = 0, k_quant = 0;
@@ -1119,6 +1138,11 @@ static void quant_linear_impl(const QuantWeight *w, const float *bias, const flo
     const QuantX qx = {q, scale, xsum, qk, dk, bsum, cols};
     float row_f32[cols], out[2][TOKEN_BLOCK];
     int pairs = (rows + 1) / 2;
+    long total = 0;
+    for (int p = 0; p < w->num_parts; p++) total += (long)w->parts[p].rows * w->parts[p].row_bytes;
+    const int threads = omp_get_num_threads(), me = omp_get_thread_num();
+    const int begin = pair_at_bytes(w, pairs, total * me / threads);
+    const int end = me + 1 == threads ? pairs : pair_at_bytes(w, pairs, total * (me + 1) / threads);
     for (int t0 = 0; t0 < n; t0 += TOKEN_BLOCK) {
         int t1 = t0 + TOKEN_BLOCK < n ? t0 + TOKEN_BLOCK : n, nt = t1 - t0;
         for (int t = 0; t < nt; t++) {
@@ -1126,8 +1150,7 @@ static void quant_linear_impl(const QuantWeight *w, const float *bias, const flo
             if (legacy) quantize_x(xt, cols, q + t * qs, scale + t * xs, xsum + t * xs);
             if (k_quant) quantize_xk(xt, cols, qk + t * kq, dk + t * kb, bsum + t * 16 * kb);
         }
-#pragma omp for schedule(static)
-        for (int pair = 0; pair < pairs; pair++) {
+        for (int pair = begin; pair < end; pair++) {
             int first = 2 * pair, count = first + 1 < rows ? 2 : 1;
             int at0 = first, at1 = first + 1;
             const QuantPart *p0 = quant_part(w, &at0);
@@ -1156,6 +1179,7 @@ static void quant_linear_impl(const QuantWeight *w, const float *bias, const flo
             }
         }
     }
+#pragma omp barrier
 }
 
 /* Exported for the tests: rows [first, first + n) of a QuantWeight as fp32 row-major. */
