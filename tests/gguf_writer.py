@@ -223,3 +223,32 @@ def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path, config: dict[str, Any]
     template = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
     if template:
         writer.add_chat_template(template)
+
+
+def q4_k_m_like(name: str) -> gguf.GGMLQuantizationType | None:
+    """A Q4_K_M-like type per tensor: Q6_K for v, down and the head, Q5_K for the attention
+    output, Q4_K for the other layer weights, a Q8_0 embedding (None: kept as it is)."""
+    kinds = gguf.GGMLQuantizationType
+    if name == "token_embd.weight":
+        return kinds.Q8_0
+    if name == "output.weight" or ".attn_v." in name or ".ffn_down." in name:
+        return kinds.Q6_K
+    if ".attn_output." in name:
+        return kinds.Q5_K
+    if name.endswith(".weight") and name.startswith("blk.") and "norm" not in name:
+        return kinds.Q4_K
+    return None
+
+
+def write_tiny_k_quant(folder: Path, hidden: int) -> Path:
+    """A tiny random Llama (4 heads, 2 KV heads, intermediate 2 x hidden) written as a
+    Q4_K_M-like GGUF in `folder`."""
+    from tiny_models import write_tiny_model
+
+    write_tiny_model(folder, "llama", seed=5, hidden_size=hidden, intermediate_size=2 * hidden,
+                     num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    config = hf_config(folder)
+    tensors = llama_like_tensors(hf_tensors(folder), config, permute=True)
+    types = {name: kind for name in tensors if (kind := q4_k_m_like(name)) is not None}
+    return write_gguf(folder, folder / "tiny-q4km.gguf", "llama",
+                      common_metadata(config, "llama"), tensors, types)  # fmt: skip

@@ -13,7 +13,14 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from gguf_writer import common_metadata, hf_config, hf_tensors, llama_like_tensors, write_gguf
+from gguf_writer import (
+    common_metadata,
+    hf_config,
+    hf_tensors,
+    llama_like_tensors,
+    write_gguf,
+    write_tiny_k_quant,
+)
 from greedy_verdicts import compare_greedy
 from infire import LLM, SamplingParams
 from infire.kernels.cpu_forward import available
@@ -23,29 +30,9 @@ from tiny_models import write_tiny_model
 pytestmark = pytest.mark.skipif(not available(), reason="no fused CPU kernel here")
 
 
-def _types(name: str) -> T | None:
-    """A Q4_K_M-like mix: Q6_K for v, down and the head, Q4_K/Q5_K elsewhere, Q8_0 embedding."""
-    if name == "token_embd.weight":
-        return T.Q8_0
-    if name == "output.weight" or ".attn_v." in name or ".ffn_down." in name:
-        return T.Q6_K
-    if ".attn_output." in name:
-        return T.Q5_K
-    if name.endswith(".weight") and name.startswith("blk.") and "norm" not in name:
-        return T.Q4_K
-    return None
-
-
 @pytest.fixture(scope="module")
 def k_quant_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-k")
-    write_tiny_model(folder, "llama", seed=5, hidden_size=256, intermediate_size=512,
-                     num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-    config = hf_config(folder)
-    tensors = llama_like_tensors(hf_tensors(folder), config, permute=True)
-    types = {name: kind for name in tensors if (kind := _types(name)) is not None}
-    return write_gguf(folder, folder / "tiny-q4km.gguf", "llama",
-                      common_metadata(config, "llama"), tensors, types)  # fmt: skip
+    return write_tiny_k_quant(tmp_path_factory.mktemp("tiny-k"), 256)
 
 
 def _greedy(path: Path | None, quantization: str, prompts: list, tokens: int) -> tuple[list, str]:

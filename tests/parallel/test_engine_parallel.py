@@ -6,7 +6,6 @@ hits and preemption), refusals that name the constraint, no worker left behind, 
 from __future__ import annotations
 
 import gc
-import os
 import re
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import pytest
 from infire import LLM, SamplingParams
 from infire.errors import ModelLoadError
 from infire.serverproc import free_port
+from processes import child_pids
 
 SHAPES = [(2, 1), (1, 2), (2, 2)]
 
@@ -95,22 +95,14 @@ def test_smollm2_pipeline_and_tensor_parallel(smollm2_path: Path):
     assert run(3, 2) == reference
 
 
-def _child_pids() -> set[int]:
-    pids: set[int] = set()
-    for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as f:
-            pids |= {int(p) for p in f.read().split()}
-    return pids
-
-
 def test_a_model_that_cannot_be_cut_is_refused_before_any_process(tiny_llama: Path):
-    before = _child_pids()
+    before = child_pids()
     with pytest.raises(ModelLoadError, match="num_attention_heads 4 is not divisible by "
                        "tensor_parallel_size 3"):  # fmt: skip
         LLM(str(tiny_llama), dtype="float32", tensor_parallel_size=3)
     with pytest.raises(ModelLoadError, match="more than the model's 2 layers"):
         LLM(str(tiny_llama), dtype="float32", pipeline_parallel_size=3)
-    assert _child_pids() <= before
+    assert child_pids() <= before
 
 
 def test_workers_end_with_shutdown_and_with_garbage_collection(tiny_llama: Path):

@@ -6,19 +6,18 @@ split a block is refused, naming the tensor, with no process left behind."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
-from gguf_writer import common_metadata, hf_config, hf_tensors, llama_like_tensors, write_gguf
+from gguf_writer import (
+    write_tiny_k_quant,
+)
 from greedy_verdicts import compare_greedy
 from infire import LLM, SamplingParams
 from infire.errors import ModelLoadError
 from infire.kernels.cpu_forward import available
 from infire.layers.embedding import VocabParallelEmbedding
 from infire.layers.linear import LinearBase
-from tiny_models import write_tiny_model
+from processes import child_pids
 
 pytestmark = pytest.mark.skipif(not available(), reason="no fused CPU kernel here")
 
@@ -71,33 +70,7 @@ def test_smollm2_blocks_on_tensor_and_pipeline_ranks() -> None:
 def tiny_k_quant(tmp_path_factory: pytest.TempPathFactory):
     """A tiny random Llama in K-quants (Q4_K, Q5_K o_proj, Q6_K v/down/head, Q8_0
     embedding) of a given hidden size."""
-
-    def write(hidden: int) -> Path:
-        folder = tmp_path_factory.mktemp(f"tiny-k-{hidden}")
-        write_tiny_model(folder, "llama", seed=5, hidden_size=hidden,
-                         intermediate_size=2 * hidden, num_attention_heads=4,
-                         num_key_value_heads=2)  # fmt: skip
-        config = hf_config(folder)
-        tensors = llama_like_tensors(hf_tensors(folder), config, permute=True)
-        types = {name: kind for name in tensors if (kind := _k_type(name)) is not None}
-        return write_gguf(folder, folder / "tiny-k.gguf", "llama",
-                          common_metadata(config, "llama"), tensors, types)  # fmt: skip
-
-    return write
-
-
-def _k_type(name: str):
-    from gguf import GGMLQuantizationType as T
-
-    if name == "token_embd.weight":
-        return T.Q8_0
-    if name == "output.weight" or ".attn_v." in name or ".ffn_down." in name:
-        return T.Q6_K
-    if ".attn_output." in name:
-        return T.Q5_K
-    if name.startswith("blk.") and name.endswith(".weight") and "norm" not in name:
-        return T.Q4_K
-    return None
+    return lambda hidden: write_tiny_k_quant(tmp_path_factory.mktemp(f"tiny-k-{hidden}"), hidden)
 
 
 def test_k_quant_blocks_on_two_ranks(tiny_k_quant) -> None:
@@ -114,22 +87,14 @@ def test_k_quant_blocks_on_two_ranks(tiny_k_quant) -> None:
     print("per prompt:", compare_greedy(got, reference))
 
 
-def _child_pids() -> set[int]:
-    pids: set[int] = set()
-    for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as f:
-            pids |= {int(p) for p in f.read().split()}
-    return pids
-
-
 def test_a_cut_inside_a_block_is_refused(tiny_k_quant) -> None:
     """Hidden 256 on two ranks: o_proj's 128 columns a rank would split its Q5_K blocks."""
     path = str(tiny_k_quant(256))
-    before = _child_pids()
+    before = child_pids()
     with pytest.raises(ModelLoadError, match=r"o_proj\.weight: columns 0\.\.128 split its "
                        r"Q5_K blocks of 256 values.*--quantization none"):  # fmt: skip
         LLM(path, dtype="float32", num_blocks=64, tensor_parallel_size=2)
-    assert _child_pids() <= before
+    assert child_pids() <= before
     with LLM(path, dtype="float32", num_blocks=64, tensor_parallel_size=2,
              quantization="none") as llm:  # fmt: skip
         assert "GGUF blocks" not in llm.engine.runner.fused_status
