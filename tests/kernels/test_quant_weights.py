@@ -83,8 +83,9 @@ TOLERANCE = 64 * np.finfo(np.float32).eps
 
 def isas() -> list[str]:
     """The instruction sets this CPU runs the products with (AVX2 always)."""
-    best = quant_isa()
-    return ["avx2"] if best == "avx2" else ["avx2", best]
+    runs = [name for name in ("avx2", "avx512-vnni", "avx-vnni") if quant_isa(name) == name]
+    quant_isa()  # back to the best
+    return runs
 
 
 @pytest.fixture(params=isas())
@@ -180,3 +181,25 @@ def test_tensor_parallel_shards_cut_on_block_boundaries(qtype: T) -> None:
     values_per_block = 256 if qtype in K_QUANTS else 32
     with pytest.raises(ValueError, match=f"blocks of {values_per_block} values"):
         block_columns(part, values_per_block // 2, 512)
+
+
+@pytest.mark.skipif("avx-vnni" not in isas(), reason="no VNNI here")
+@pytest.mark.parametrize("qtype", [*LEGACY, *K_QUANTS], ids=lambda t: t.name)
+def test_the_vnni_products_equal_avx2s_bit_for_bit(qtype: T) -> None:
+    """The 256-bit VNNI instructions compute the same integers as AVX2's multiply-adds
+    (here in AVX512-VNNI's 256-bit form where the CPU has no AVX-VNNI: the same code)."""
+    rng = np.random.default_rng(200 + int(qtype))
+    values = (rng.standard_normal((18, 512)) * 0.1).astype(np.float32)
+    values[0, :32] = -values[0, :32].max()  # Q8_0 codes at -127 (and -128 in a block)
+    w, _ = weight(values, qtype)
+    if qtype == T.Q8_0:
+        w.parts_blocks[0][1][1, 2:4] = torch.tensor([128, 128], dtype=torch.uint8)  # -128
+    x = torch.from_numpy(rng.standard_normal((7, 512)).astype(np.float32))
+    try:
+        quant_isa("avx2")
+        want = quant_linear(w, x)
+        assert quant_isa("avx-vnni") == "avx-vnni"
+        got = quant_linear(w, x)
+    finally:
+        quant_isa()
+    assert torch.equal(got, want)

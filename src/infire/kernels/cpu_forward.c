@@ -693,11 +693,59 @@ static inline __attribute__((always_inline)) void hsum_rows(const int nr, __m256
     *out_b = _mm_cvtss_f32(_mm_movehdup_ps(v));
 }
 
+/*
+ * The 256-bit products with VNNI (`vnni` 1: AVX-VNNI's VEX form, Alder Lake and later;
+ * 2: the same instructions in AVX512-VNNI's 256-bit EVEX form): `vpdpbusd` in place of
+ * AVX2's `vpmaddubsw` + `vpmaddwd` + add, `vpdpwssd` in place of `vpmaddwd` + add. The
+ * integers are the same: the 16-bit pair sums of `vpmaddubsw` never saturate here (codes
+ * |u| <= 128, activations |x| <= 127), so results equal the AVX2 path's bit for bit.
+ */
+#if defined(__clang__) || __GNUC__ >= 11
+#define HAVE_AVXVNNI 1
+static inline __attribute__((target("avx2,avxvnni"))) __m256i dpbusd_vex(__m256i acc, __m256i u,
+                                                                          __m256i x) {
+    return _mm256_dpbusd_avx_epi32(acc, u, x);
+}
+static inline __attribute__((target("avx2,avxvnni"))) __m256i dpwssd_vex(__m256i acc, __m256i a,
+                                                                          __m256i b) {
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+}
+#else
+#define dpbusd_vex dpbusd_evex
+#define dpwssd_vex dpwssd_evex
+#endif
+static inline __attribute__((target("avx512vl,avx512vnni"))) __m256i dpbusd_evex(__m256i acc,
+                                                                                 __m256i u,
+                                                                                 __m256i x) {
+    return _mm256_dpbusd_epi32(acc, u, x);
+}
+static inline __attribute__((target("avx512vl,avx512vnni"))) __m256i dpwssd_evex(__m256i acc,
+                                                                                 __m256i a,
+                                                                                 __m256i b) {
+    return _mm256_dpwssd_epi32(acc, a, b);
+}
+
+/* acc + the sums of each 4 products of unsigned u and signed x bytes, per 32-bit lane. */
+static inline __attribute__((always_inline)) __m256i dot_u8(__m256i acc, __m256i u, __m256i x,
+                                                            const int vnni) {
+    if (vnni == 1) return dpbusd_vex(acc, u, x);
+    if (vnni == 2) return dpbusd_evex(acc, u, x);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+}
+
+/* acc + the sums of each 2 products of 16-bit a and b, per 32-bit lane. */
+static inline __attribute__((always_inline)) __m256i dot_s16(__m256i acc, __m256i a, __m256i b,
+                                                             const int vnni) {
+    if (vnni == 1) return dpwssd_vex(acc, a, b);
+    if (vnni == 2) return dpwssd_evex(acc, a, b);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+}
+
 /* K-quant rows `row0` and `row1` (nr of them: row1 is NULL where nr is 1) with `nt`
  * tokens: each block's codes and scales are unpacked once and meet every token. */
 static inline __attribute__((always_inline)) void rows_dots_k_typed(
     const int type, const int nr, const uint8_t *row0, const uint8_t *row1, int nt,
-    const QuantX *x, float *out0, float *out1) {
+    const QuantX *x, float *out0, float *out1, const int vnni) {
     const int cols = x->cols, blocks = cols / QK_BLOCK;
     const long k_bytes = value_offset(type, QK_BLOCK);
     const uint8_t *rows[2] = {row0, row1};
@@ -728,8 +776,7 @@ static inline __attribute__((always_inline)) void rows_dots_k_typed(
                 __m256i dots = _mm256_setzero_si256();
                 for (int j = 0; j < 8; j++) {
                     __m256i xq = _mm256_loadu_si256((const __m256i *)(q + 32 * k_slot(j)));
-                    __m256i p = _mm256_maddubs_epi16(u[r][j], xq);
-                    dots = _mm256_add_epi32(dots, _mm256_madd_epi16(p, sc[r][j]));
+                    dots = dot_s16(dots, _mm256_maddubs_epi16(u[r][j], xq), sc[r][j], vnni);
                 }
                 acc[r][t] = k_block_sums(type, &k[r], dots, bsum, dx, acc[r][t]);
             }
@@ -744,9 +791,8 @@ static inline __attribute__((always_inline)) void rows_dots_k_typed(
  * row. */
 static inline __attribute__((always_inline)) void rows_dots_q_typed(
     const int type, const int nr, const uint8_t *row0, const uint8_t *row1, int nt,
-    const QuantX *x, float *out0, float *out1) {
+    const QuantX *x, float *out0, float *out1, const int vnni) {
     if (nr == 1) row1 = NULL;
-    const __m256i ones = _mm256_set1_epi16(1);
     const int cols = x->cols, blocks = cols / QX_BLOCK, is_signed = type == GGML_Q8_0;
     const int qs = q_stride(cols), xs_stride = x_stride(cols);
     __m256 acc0[TOKEN_BLOCK], acc1[TOKEN_BLOCK];
@@ -766,14 +812,14 @@ static inline __attribute__((always_inline)) void rows_dots_q_typed(
         for (int t = 0; t < nt; t++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(x->q + (long)t * qs + 32 * b));
             __m256i q0 = is_signed ? _mm256_sign_epi8(q, u0) : q;
-            __m256 p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(m0, q0), ones));
+            __m256 p0 = _mm256_cvtepi32_ps(dot_u8(_mm256_setzero_si256(), m0, q0, vnni));
             const float dx = x->scale[t * xs_stride + 2 * b];
             const float *xs = x->xsum + (long)t * xs_stride + 2 * b;
             acc0[t] = _mm256_fmadd_ps(p0, _mm256_set1_ps(ab0[0] * dx), acc0[t]);
             off0[t] += ab0[2] * (xs[0] + xs[1]);
             if (!row1) continue;
             __m256i q1 = is_signed ? _mm256_sign_epi8(q, u1) : q;
-            __m256 p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(m1, q1), ones));
+            __m256 p1 = _mm256_cvtepi32_ps(dot_u8(_mm256_setzero_si256(), m1, q1, vnni));
             acc1[t] = _mm256_fmadd_ps(p1, _mm256_set1_ps(ab1[0] * dx), acc1[t]);
             off1[t] += ab1[2] * (xs[0] + xs[1]);
         }
@@ -1048,10 +1094,33 @@ static inline AVX512 __attribute__((always_inline)) void rows_dots_q512_typed(
          : (nt == 1 ? F(T, 1, row0, NULL, 1, x, out0, NULL)                              \
                     : F(T, 1, row0, NULL, nt, x, out0, NULL))
 
+/* The 256-bit products' instruction forms (see dot_u8). */
+#define rows_dots_q_v0(...) rows_dots_q_typed(__VA_ARGS__, 0)
+#define rows_dots_k_v0(...) rows_dots_k_typed(__VA_ARGS__, 0)
+#define rows_dots_q_v1(...) rows_dots_q_typed(__VA_ARGS__, 1)
+#define rows_dots_k_v1(...) rows_dots_k_typed(__VA_ARGS__, 1)
+#define rows_dots_q_v2(...) rows_dots_q_typed(__VA_ARGS__, 2)
+#define rows_dots_k_v2(...) rows_dots_k_typed(__VA_ARGS__, 2)
+
 static void rows_dots_avx2(int type, const uint8_t *row0, const uint8_t *row1, int nt,
                            const QuantX *x, float *out0, float *out1) {
-#define DOTS_AVX2(KIND, T) DOTS_SHAPES(rows_dots_##KIND##_typed, T)
+#define DOTS_AVX2(KIND, T) DOTS_SHAPES(rows_dots_##KIND##_v0, T)
     FOR_EACH_QUANT_TYPE(DOTS_AVX2)
+}
+
+#ifdef HAVE_AVXVNNI
+static __attribute__((target("avx2,fma,avxvnni"))) void rows_dots_vnni_vex(
+    int type, const uint8_t *row0, const uint8_t *row1, int nt, const QuantX *x, float *out0,
+    float *out1) {
+#define DOTS_VEX(KIND, T) DOTS_SHAPES(rows_dots_##KIND##_v1, T)
+    FOR_EACH_QUANT_TYPE(DOTS_VEX)
+}
+#endif
+
+static AVX512 void rows_dots_vnni_evex(int type, const uint8_t *row0, const uint8_t *row1, int nt,
+                                       const QuantX *x, float *out0, float *out1) {
+#define DOTS_EVEX(KIND, T) DOTS_SHAPES(rows_dots_##KIND##_v2, T)
+    FOR_EACH_QUANT_TYPE(DOTS_EVEX)
 }
 
 static AVX512 void rows_dots_avx512(int type, const uint8_t *row0, const uint8_t *row1, int nt,
@@ -1060,22 +1129,35 @@ static AVX512 void rows_dots_avx512(int type, const uint8_t *row0, const uint8_t
     FOR_EACH_QUANT_TYPE(DOTS_AVX512)
 }
 
-/* 1: the AVX2 products, 2: AVX512-VNNI's. */
-static int quant_isa = 0;
+/* 1: the AVX2 products, 2: AVX512-VNNI's, 3: the 256-bit ones with VNNI (AVX-VNNI, or
+ * AVX512-VNNI's 256-bit form where the CPU has that instead: the same code). */
+static int quant_isa = 0, vnni_form = 0;
+
+static int has_avx512_vnni(void) {
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+/* The form of the 256-bit VNNI products this CPU runs (1 VEX, 2 EVEX), or 0. */
+static int detect_vnni_form(void) {
+#ifdef HAVE_AVXVNNI
+    if (__builtin_cpu_supports("avxvnni")) return 1;
+#endif
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") ? 2 : 0;
+}
 
 static int detect_quant_isa(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
-               ? 2
-               : 1;
+    vnni_form = detect_vnni_form();
+    return has_avx512_vnni() ? 2 : vnni_form ? 3 : 1;
 }
 
 /* Exported: choose the products' instruction set (0: the best this CPU has, 1: AVX2,
- * 2: AVX512-VNNI, where the CPU has it); returns the one in use. */
+ * 2: AVX512-VNNI, 3: 256-bit VNNI, where the CPU has it); returns the one in use. */
 int infire_quant_isa(int wanted) {
     int best = detect_quant_isa();
-    quant_isa = wanted == 1 || wanted == 2 ? (wanted < best ? wanted : best) : best;
+    int can = wanted == 1 || (wanted == 2 && has_avx512_vnni()) || (wanted == 3 && vnni_form);
+    quant_isa = can ? wanted : best;
     return quant_isa;
 }
 
@@ -1084,6 +1166,12 @@ static inline void rows_dots(int type, const uint8_t *row0, const uint8_t *row1,
     if (!quant_isa) quant_isa = detect_quant_isa();
     if (quant_isa == 2)
         rows_dots_avx512(type, row0, row1, nt, x, out0, out1);
+#ifdef HAVE_AVXVNNI
+    else if (quant_isa == 3 && vnni_form == 1)
+        rows_dots_vnni_vex(type, row0, row1, nt, x, out0, out1);
+#endif
+    else if (quant_isa == 3)
+        rows_dots_vnni_evex(type, row0, row1, nt, x, out0, out1);
     else
         rows_dots_avx2(type, row0, row1, nt, x, out0, out1);
 }

@@ -212,12 +212,14 @@ def dequantize_gather(weight: QuantWeight, ids: torch.Tensor, cols: int) -> torc
     return out
 
 
-QUANT_ISAS = {1: "avx2", 2: "avx512-vnni"}
+# "avx-vnni": the 256-bit products with VNNI (AVX-VNNI's instructions, or the same in
+# AVX512-VNNI's 256-bit form on a CPU that has that instead); equal to AVX2's bit for bit
+QUANT_ISAS = {1: "avx2", 2: "avx512-vnni", 3: "avx-vnni"}
 
 
 def quant_isa(wanted: str | None = None) -> str:
-    """The instruction set of the GGUF products ("avx2" or "avx512-vnni"): the best this
-    CPU has, or `wanted` where it has that (for tests and benchmarks)."""
+    """The instruction set of the GGUF products ("avx2", "avx512-vnni" or "avx-vnni"): the
+    best this CPU has, or `wanted` where it has that (for tests and benchmarks)."""
     lib = load_library()
     if isinstance(lib, str):
         raise RuntimeError(lib)
