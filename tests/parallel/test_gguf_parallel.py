@@ -2,13 +2,22 @@
 each rank's linears hold their slice of the file's blocks (whole rows for column-parallel
 layers, whole blocks of every row for row-parallel ones), nothing is dequantized, the
 greedy tokens are one rank's up to near-ties, and a tensor-parallel size whose cut would
-split a block is refused, naming the tensor, with no process left behind."""
+split a block is refused, naming the tensor, with no process left behind. Routed experts
+hold their slices too; a merged weight with a part of a type the kernel does not read is
+decoded to float."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from gguf_writer import (
+    common_metadata,
+    hf_config,
+    hf_tensors,
+    llama_like_tensors,
+    write_gguf,
     write_tiny_k_quant,
 )
 from greedy_verdicts import compare_greedy
@@ -17,7 +26,9 @@ from infire.errors import ModelLoadError
 from infire.kernels.cpu_forward import available
 from infire.layers.embedding import VocabParallelEmbedding
 from infire.layers.linear import LinearBase
+from infire.layers.moe import FusedMoE
 from processes import child_pids
+from tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.skipif(not available(), reason="no fused CPU kernel here")
 
@@ -98,3 +109,59 @@ def test_a_cut_inside_a_block_is_refused(tiny_k_quant) -> None:
     with LLM(path, dtype="float32", num_blocks=64, tensor_parallel_size=2,
              quantization="none") as llm:  # fmt: skip
         assert "GGUF blocks" not in llm.engine.runner.fused_status
+
+
+def test_mixtral_experts_as_blocks_on_two_ranks(tmp_path: Path) -> None:
+    """Each rank holds its slice of every expert's gate|up rows and down columns."""
+    from gguf import GGMLQuantizationType as T
+
+    folder = write_tiny_model(tmp_path / "moe", "mixtral", seed=3)  # hidden 64, inter 128
+    config = hf_config(folder)
+    tensors = llama_like_tensors(hf_tensors(folder), config, permute=True)
+    types = {name: T.Q8_0 for name, value in tensors.items() if value.ndim >= 2}
+    metadata = common_metadata(config, "llama") | {
+        "llama.expert_count": config["num_local_experts"],
+        "llama.expert_used_count": config["num_experts_per_tok"],
+    }
+    path = str(write_gguf(folder, tmp_path / "moe-q8.gguf", "llama", metadata, tensors, types))
+    prompts = [[(7 * i + 3 * j) % 200 + 3 for j in range(n)] for i, n in enumerate([5, 23])]
+    reference, llm = _greedy(path, 1, 1, prompts, 12)
+    llm.shutdown()
+    got, llm = _greedy(path, 2, 1, prompts, 12)
+    with llm:
+        moe = next(m for m in llm.engine.runner.model.modules() if isinstance(m, FusedMoE))
+        assert moe.quant_w13 is not None and moe.w13.numel() == 0 and moe.w2.numel() == 0
+        assert moe.quant_w13[0].rows == 2 * 64  # gate and up: half of 128 rows each
+        assert moe.quant_w2[0].parts_blocks[0][1].shape == (64, 64 // 32 * 34)
+    print("per prompt:", compare_greedy(got, reference))
+
+
+def test_a_merged_weight_with_a_part_the_kernel_does_not_read(tmp_path: Path) -> None:
+    """Layer 0's v in Q3_K, the rest Q8_0: that q|k|v is decoded to float (q and k from
+    their blocks), every other weight stays blocks; the tokens are the dequantized
+    model's up to near-ties."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+
+    folder = write_tiny_model(tmp_path / "q3", "llama", seed=4, hidden_size=256,
+                              intermediate_size=256)  # fmt: skip
+    config = hf_config(folder)
+    tensors = llama_like_tensors(hf_tensors(folder), config, permute=True)
+    types = {name: T.Q8_0 for name, value in tensors.items() if value.ndim == 2}
+    v = tensors["blk.0.attn_v.weight"]  # random Q3_K blocks (110 bytes), a small float16 d
+    blocks = np.random.default_rng(0).integers(0, 256, (v.shape[0], 110), dtype=np.uint8)
+    blocks[:, 108:] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    tensors["blk.0.attn_v.weight"], types["blk.0.attn_v.weight"] = blocks, T.Q3_K
+    path = str(write_gguf(folder, tmp_path / "q3.gguf", "llama",
+                          common_metadata(config, "llama"), tensors, types))  # fmt: skip
+    prompts = [[(5 * i + 11 * j) % 200 + 3 for j in range(n)] for i, n in enumerate([4, 17])]
+    reference, llm = _greedy(path, 1, 1, prompts, 12)
+    with llm:
+        assert "GGUF blocks dequantized" in llm.engine.runner.fused_status
+    got, llm = _greedy(path, 2, 1, prompts, 12)
+    with llm:
+        attention = [layer.self_attn for layer in llm.engine.runner.model.layers]
+        assert attention[0].qkv_proj.quant is None  # float, packed for oneDNN
+        assert attention[0].qkv_proj.packed is not None
+        assert attention[1].qkv_proj.quant is not None and attention[0].o_proj.quant is not None
+    print("per prompt:", compare_greedy(got, reference))

@@ -28,6 +28,7 @@ class VocabParallelEmbedding(nn.Module):
     """Token embedding whose rows (vocab entries) are split across the tp group."""
 
     quant: QuantWeight | None = None  # this rank's rows as GGUF blocks (`weight` empty)
+    blocks_params = ("weight",)  # what load_blocks takes
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup = SINGLE) -> None:
         super().__init__()
@@ -57,7 +58,7 @@ class VocabParallelEmbedding(nn.Module):
         rows = dequantize_gather(self.quant, local.reshape(-1), self.hidden_size)
         return rows.to(self.weight.dtype).reshape(*local.shape, self.hidden_size)
 
-    def load_blocks(self, part: GGUFBlocks, shard_index: int = 0) -> None:
+    def load_blocks(self, name: str, part: GGUFBlocks, shard_index: int = 0) -> None:
         """Hold this rank's vocab rows as GGUF blocks (a view; padding rows are not held)."""
         from infire.kernels.cpu_forward import QuantWeight, block_rows
 

@@ -38,6 +38,7 @@ class LinearBase(nn.Module):
     packed: torch.Tensor | None = None
     quant: QuantWeight | None = None  # the weight as GGUF blocks (then `weight` is empty)
     _block_parts: dict[int, GGUFBlocks] | None = None
+    blocks_params = ("weight",)  # what load_blocks takes
 
     def pack_for_cpu(self) -> bool:
         """Replace the weight by a oneDNN-packed copy; False where oneDNN cannot pack it."""
@@ -71,6 +72,14 @@ class LinearBase(nn.Module):
             self.quant = QuantWeight([self._block_parts[i] for i in range(shards)])
             self._block_parts = None
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+
+
+def decode_blocks(part: GGUFBlocks, cols: int) -> torch.Tensor:
+    """A weight's blocks decoded by the kernel, float32 [rows, cols]."""
+    from infire.kernels.cpu_forward import QuantWeight, dequantize_rows
+
+    weight = QuantWeight([part])
+    return dequantize_rows(weight, 0, weight.rows, cols)
 
 
 def check_blocks(part: GGUFBlocks, rows: int, cols: int) -> None:
@@ -127,13 +136,22 @@ class ColumnParallelLinear(LinearBase):
         offset = sum(self.output_sizes[:shard_index])
         loaded.read_into(param.data[offset : offset + length], 0, start, length)
 
-    def load_blocks(self, part: GGUFBlocks, shard_index: int = 0) -> None:
+    def load_blocks(self, name: str, part: GGUFBlocks, shard_index: int = 0) -> None:
         """Hold this rank's rows of logical weight `shard_index` as GGUF blocks (a view)."""
         from infire.kernels.cpu_forward import block_rows
 
         check_blocks(part, self.full_sizes[shard_index], self.input_size)
         start, length = self.slices[shard_index]
         self._hold_blocks(shard_index, block_rows(part, start, length), len(self.slices))
+
+    def finish_blocks(self) -> None:
+        """Where only some of a merged weight's parts came as blocks (another part's type
+        the kernel does not read), decode those into the float weight."""
+        for index, part in (self._block_parts or {}).items():
+            offset = sum(self.output_sizes[:index])
+            rows = decode_blocks(part, self.input_size)
+            self.weight.data[offset : offset + rows.shape[0]] = rows
+        self._block_parts = None
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -194,7 +212,7 @@ class RowParallelLinear(LinearBase):
             raise ValueError(f"{name}: expected shape {list(expected)}, got {list(loaded.shape)}")
         loaded.read_into(self.weight.data, 1, self.input_start, self.input_size)
 
-    def load_blocks(self, part: GGUFBlocks, shard_index: int = 0) -> None:
+    def load_blocks(self, name: str, part: GGUFBlocks, shard_index: int = 0) -> None:
         """Hold this rank's columns of the weight as GGUF blocks: the same whole blocks of
         every row (a view); a ValueError where the rank's columns would split a block."""
         from infire.kernels.cpu_forward import block_columns

@@ -8,6 +8,8 @@ weighted outputs are summed back per token with one index_add.
 
 Tensor parallelism splits every expert's intermediate features across ranks, as for a
 dense MLP: each rank holds a slice of all experts and the partial sums are all-reduced.
+A quantized GGUF's experts may be held as their blocks (`load_blocks`), each expert's
+gate|up and down a QuantWeight of this rank's slice, multiplied by the CPU kernel.
 Expert parallelism (whole experts per rank) would need an all-to-all of tokens and
 balances only as well as the router does; splitting the features keeps every rank's
 work identical whatever the routing, which is what a CPU or a single-host group wants.
@@ -26,6 +28,7 @@ from infire.layers.mlp import gated_activation
 from infire.parallel import SINGLE, TensorParallelGroup
 
 if TYPE_CHECKING:
+    from infire.kernels.cpu_forward import GGUFBlocks, QuantWeight
     from infire.models.weights import LazyTensor
 
 ALL_SHARDS = -1  # load_shard's index for a tensor that holds every expert at once
@@ -86,6 +89,10 @@ class FusedMoE(nn.Module):
 
     packed_w13: list[torch.Tensor] | None = None
     packed_w2: list[torch.Tensor] | None = None
+    # each expert's projections as GGUF blocks (then w13 and w2 are empty)
+    quant_w13: list[QuantWeight] | None = None
+    quant_w2: list[QuantWeight] | None = None
+    blocks_params = ("w13", "w2")  # what load_blocks takes
 
     def __init__(
         self,
@@ -135,9 +142,11 @@ class FusedMoE(nn.Module):
         for expert, count in enumerate(counts):
             if count:
                 rows = slice(start, start + count)
-                gate_up = self._project(inputs[rows], self.w13, self.packed_w13, expert)
+                gate_up = self._project(inputs[rows], self.w13, self.packed_w13, expert,
+                                        self.quant_w13)  # fmt: skip
                 hidden = gated_activation(gate_up, self.activation)
-                outputs[rows] = self._project(hidden, self.w2, self.packed_w2, expert)
+                outputs[rows] = self._project(hidden, self.w2, self.packed_w2, expert,
+                                              self.quant_w2)  # fmt: skip
                 start += count
         if weights is not None:
             outputs = outputs * weights.flatten()[order].unsqueeze(1).to(outputs.dtype)
@@ -158,10 +167,11 @@ class FusedMoE(nn.Module):
         out = None
         for j in sorted(range(len(ids)), key=ids.__getitem__):
             inputs = x if input_weights is None else x * input_weights[:, j : j + 1].to(x.dtype)
-            gate_up = self._project(inputs, self.w13, self.packed_w13, ids[j])
+            gate_up = self._project(inputs, self.w13, self.packed_w13, ids[j], self.quant_w13)
             y = self._project(
-                gated_activation(gate_up, self.activation), self.w2, self.packed_w2, ids[j]
-            )
+                gated_activation(gate_up, self.activation), self.w2, self.packed_w2, ids[j],
+                self.quant_w2,
+            )  # fmt: skip
             if weights is not None:
                 y = y * weights[:, j : j + 1].to(y.dtype)
             out = y.float() if out is None else out.add_(y)
@@ -171,6 +181,8 @@ class FusedMoE(nn.Module):
     def pack_for_cpu(self) -> bool:
         """Replace w13 and w2 by oneDNN-packed copies, one per expert, freeing the stacked
         tensors (memory does not double); False where oneDNN cannot pack them."""
+        if self.quant_w13 is not None:
+            return True  # the blocks are the kernel's own layout
         try:
             packed_w13 = [_pack(w) for w in self.w13.data]
             packed_w2 = [_pack(w) for w in self.w2.data]
@@ -188,8 +200,13 @@ class FusedMoE(nn.Module):
         stacked: torch.Tensor,
         packed: list[torch.Tensor] | None,
         expert: int,
+        quant: list[QuantWeight] | None = None,
     ) -> torch.Tensor:
-        """x times one expert's projection (transposed), packed or not."""
+        """x times one expert's projection (transposed), packed, as blocks or plain."""
+        if quant is not None:
+            from infire.kernels.cpu_forward import quant_linear
+
+            return quant_linear(quant[expert], x).to(x.dtype)
         if packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, packed[expert], None, "none", [None], "")
         return F.linear(x, stacked[expert])
@@ -216,6 +233,48 @@ class FusedMoE(nn.Module):
             loaded.read_into(self.w2.data[shard_index], 1, self.start, self.size)
         else:
             raise KeyError(f"experts have no {name}")
+
+    def load_blocks(self, name: str, part: GGUFBlocks, shard_index: int = 0) -> None:
+        """Hold this rank's slice of one expert's projection as GGUF blocks (shards as
+        load_shard's): gate and up rows, down's whole blocks of columns (a ValueError where
+        the slice would split a block). With every expert's, the experts are served so."""
+        from infire.kernels.cpu_forward import QuantWeight, block_columns, block_rows
+        from infire.layers.linear import check_blocks
+
+        hidden = self.w13.shape[2]
+        if name == "w13":
+            check_blocks(part, self.full_intermediate, hidden)
+            held = block_rows(part, self.start, self.size)
+        elif name == "w2":
+            check_blocks(part, hidden, self.full_intermediate)
+            held = block_columns(part, self.start, self.size)
+        else:
+            raise KeyError(f"experts have no {name} blocks")
+        parts = self._block_parts = getattr(self, "_block_parts", None) or {}
+        parts[name, shard_index] = held
+        if len(parts) < 3 * self.num_experts:
+            return
+        self.quant_w13 = [QuantWeight([parts["w13", 2 * e], parts["w13", 2 * e + 1]])
+                          for e in range(self.num_experts)]  # fmt: skip
+        self.quant_w2 = [QuantWeight([parts["w2", e]]) for e in range(self.num_experts)]
+        self._block_parts = None
+        dtype = self.w13.dtype
+        self.w13 = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+
+    def finish_blocks(self) -> None:
+        """Where only some projections came as blocks (another's type the kernel does not
+        read), decode those into the float weights."""
+        from infire.layers.linear import decode_blocks
+
+        for (name, shard), part in (getattr(self, "_block_parts", None) or {}).items():
+            if name == "w13":
+                expert, half = divmod(shard, 2)
+                rows = decode_blocks(part, self.w13.shape[2])
+                self.w13.data[expert, half * self.size : (half + 1) * self.size] = rows
+            else:
+                self.w2.data[shard] = decode_blocks(part, self.size)
+        self._block_parts = None
 
     def _load_stacked(self, name: str, loaded: LazyTensor) -> None:
         experts, hidden, inter = self.num_experts, self.w13.shape[2], self.full_intermediate

@@ -238,7 +238,7 @@ class CausalLM(nn.Module):
             try:
                 stored = _readable_blocks(blocks, hf_name, module, param_name)
                 if stored is not None:
-                    module.load_blocks(stored, shard)
+                    module.load_blocks(param_name, stored, shard)
                 elif skip is None or not skip(hf_name):
                     module.load_shard(param_name, source.get_slice(hf_name), shard)
             except (ValueError, RuntimeError, KeyError, AttributeError) as e:
@@ -248,6 +248,9 @@ class CausalLM(nn.Module):
                 loaded.update((module_name, param_name, i) for i in range(count))
             else:
                 loaded.add(target)
+        for module in modules.values():
+            if hasattr(module, "finish_blocks"):
+                module.finish_blocks()
         if tied and embed.quant is not None:  # the head reads the embedding's blocks
             head.hold_quant(embed.quant)
             head.weight = embed.weight  # still one (empty) parameter
@@ -348,9 +351,10 @@ class CausalLM(nn.Module):
 def _readable_blocks(
     blocks: Callable[[str], Any] | None, name: str, module: nn.Module, param: str
 ) -> Any:
-    """The GGUF blocks of checkpoint tensor `name` where `module` holds its weight so (a
-    linear, the embedding or the head) and the kernel reads their type, else None."""
-    if blocks is None or param != "weight" or not hasattr(module, "load_blocks"):
+    """The GGUF blocks of checkpoint tensor `name` where `module` holds its parameter `param`
+    so (a linear, the embedding, the head, routed experts) and the kernel reads their
+    type, else None."""
+    if blocks is None or param not in getattr(module, "blocks_params", ()):
         return None
     from infire.kernels.cpu_forward import READ_TYPES
 
