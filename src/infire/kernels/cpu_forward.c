@@ -1541,12 +1541,19 @@ static void attention(const InfireModel *m, int layer, const float *qkv, int n,
     }
 }
 
+/* silu(gate) * up per token, in chunks of features shared by the threads (a decode step's
+ * one token is not left to one thread). */
+#define SILU_CHUNK 512
+
 static void silu_mul(const float *gate_up, int n, int inter, float *out) {
+    const int chunks = (inter + SILU_CHUNK - 1) / SILU_CHUNK;
 #pragma omp for schedule(static)
-    for (int t = 0; t < n; t++) {
+    for (int item = 0; item < n * chunks; item++) {
+        const int t = item / chunks, first = item % chunks * SILU_CHUNK;
+        const int last = first + SILU_CHUNK < inter ? first + SILU_CHUNK : inter;
         const float *g = gate_up + (long)t * 2 * inter, *u = g + inter;
         float *o = out + (long)t * inter;
-        for (int i = 0; i < inter; i += 8) {
+        for (int i = first; i < last; i += 8) {
             __m256 gv = _mm256_loadu_ps(g + i);
             __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
             __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
