@@ -252,3 +252,19 @@ def write_tiny_k_quant(folder: Path, hidden: int) -> Path:
     types = {name: kind for name in tensors if (kind := q4_k_m_like(name)) is not None}
     return write_gguf(folder, folder / "tiny-q4km.gguf", "llama",
                       common_metadata(config, "llama"), tensors, types)  # fmt: skip
+
+
+def write_tiny_mixtral_q8(folder: Path) -> Path:
+    """A tiny random Mixtral (4 experts, 2 a token, hidden 64, intermediate 128) written in
+    `folder` as a GGUF of Q8_0 matrices, its experts stacked as llama.cpp stores them."""
+    from tiny_models import write_tiny_model
+
+    model = write_tiny_model(folder / "moe", "mixtral", seed=3)
+    config = hf_config(model)
+    tensors = llama_like_tensors(hf_tensors(model), config, permute=True)
+    types = {name: gguf.GGMLQuantizationType.Q8_0 for name, v in tensors.items() if v.ndim >= 2}
+    metadata = common_metadata(config, "llama") | {
+        "llama.expert_count": config["num_local_experts"],
+        "llama.expert_used_count": config["num_experts_per_tok"],
+    }
+    return write_gguf(model, folder / "moe-q8.gguf", "llama", metadata, tensors, types)

@@ -20,6 +20,7 @@ from gguf_writer import (
     llama_like_tensors,
     write_gguf,
     write_tiny_k_quant,
+    write_tiny_mixtral_q8,
 )
 from greedy_verdicts import compare_greedy
 from infire import LLM, SamplingParams
@@ -72,15 +73,7 @@ def test_batching_chunking_and_the_prefix_cache_change_no_token(k_quant_gguf: Pa
 def test_a_mixtral_gguf_serves_its_experts_as_blocks(tmp_path: Path) -> None:
     """Routed experts (stacked [experts, out, in] tensors) as blocks: each expert's
     gate|up and down are QuantWeights of their rows."""
-    folder = write_tiny_model(tmp_path / "moe", "mixtral", seed=3)
-    config = hf_config(folder)
-    tensors = llama_like_tensors(hf_tensors(folder), config, permute=True)
-    types = {name: T.Q8_0 for name, value in tensors.items() if value.ndim >= 2}
-    metadata = common_metadata(config, "llama") | {
-        "llama.expert_count": config["num_local_experts"],
-        "llama.expert_used_count": config["num_experts_per_tok"],
-    }
-    path = write_gguf(folder, tmp_path / "moe-q8.gguf", "llama", metadata, tensors, types)
+    path = write_tiny_mixtral_q8(tmp_path)
     prompts = [[(7 * i + 3 * j) % 200 + 3 for j in range(n)] for i, n in enumerate([5, 23])]
     got, status = _greedy(path, "auto", prompts, 16)
     want, _ = _greedy(path, "none", prompts, 16)

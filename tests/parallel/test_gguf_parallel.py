@@ -19,6 +19,7 @@ from gguf_writer import (
     llama_like_tensors,
     write_gguf,
     write_tiny_k_quant,
+    write_tiny_mixtral_q8,
 )
 from greedy_verdicts import compare_greedy
 from infire import LLM, SamplingParams
@@ -113,17 +114,7 @@ def test_a_cut_inside_a_block_is_refused(tiny_k_quant) -> None:
 
 def test_mixtral_experts_as_blocks_on_two_ranks(tmp_path: Path) -> None:
     """Each rank holds its slice of every expert's gate|up rows and down columns."""
-    from gguf import GGMLQuantizationType as T
-
-    folder = write_tiny_model(tmp_path / "moe", "mixtral", seed=3)  # hidden 64, inter 128
-    config = hf_config(folder)
-    tensors = llama_like_tensors(hf_tensors(folder), config, permute=True)
-    types = {name: T.Q8_0 for name, value in tensors.items() if value.ndim >= 2}
-    metadata = common_metadata(config, "llama") | {
-        "llama.expert_count": config["num_local_experts"],
-        "llama.expert_used_count": config["num_experts_per_tok"],
-    }
-    path = str(write_gguf(folder, tmp_path / "moe-q8.gguf", "llama", metadata, tensors, types))
+    path = str(write_tiny_mixtral_q8(tmp_path))  # hidden 64, intermediate 128
     prompts = [[(7 * i + 3 * j) % 200 + 3 for j in range(n)] for i, n in enumerate([5, 23])]
     reference, llm = _greedy(path, 1, 1, prompts, 12)
     llm.shutdown()
