@@ -50,7 +50,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--quantization", default="auto", choices=("auto", "none"),
         help="a quantized GGUF: auto serves its blocks as they are (Q4_K, Q6_K, Q8_0, ...) "
-        "where the fused CPU forward runs the model; none dequantizes to --dtype "
+        "on the CPU, tensor/pipeline-parallel ranks included; none dequantizes to --dtype "
         "(default: auto)",
     )  # fmt: skip
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")

@@ -92,6 +92,7 @@ class FusedMoE(nn.Module):
     # each expert's projections as GGUF blocks (then w13 and w2 are empty)
     quant_w13: list[QuantWeight] | None = None
     quant_w2: list[QuantWeight] | None = None
+    _block_parts: dict[tuple[str, int], GGUFBlocks] | None = None  # until every expert's
     blocks_params = ("w13", "w2")  # what load_blocks takes
 
     def __init__(
@@ -250,7 +251,7 @@ class FusedMoE(nn.Module):
             held = block_columns(part, self.start, self.size)
         else:
             raise KeyError(f"experts have no {name} blocks")
-        parts = self._block_parts = getattr(self, "_block_parts", None) or {}
+        parts = self._block_parts = self._block_parts or {}
         parts[name, shard_index] = held
         if len(parts) < 3 * self.num_experts:
             return
@@ -267,7 +268,7 @@ class FusedMoE(nn.Module):
         read), decode those into the float weights."""
         from infire.layers.linear import decode_blocks
 
-        for (name, shard), part in (getattr(self, "_block_parts", None) or {}).items():
+        for (name, shard), part in (self._block_parts or {}).items():
             if name == "w13":
                 expert, half = divmod(shard, 2)
                 rows = decode_blocks(part, self.w13.shape[2])
