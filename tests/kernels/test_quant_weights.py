@@ -11,12 +11,15 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
+from emulated import EMULATED_ISAS, native, use_emulated
 from infire.kernels.cpu_forward import (
     QuantWeight,
     available,
     block_columns,
     block_rows,
+    can_interleave,
     dequantize_rows,
+    interleave_rows,
     quant_isa,
     quant_linear,
 )
@@ -82,16 +85,18 @@ TOLERANCE = 64 * np.finfo(np.float32).eps
 
 
 def isas() -> list[str]:
-    """The instruction sets this CPU runs the products with (AVX2 always)."""
-    runs = [name for name in ("avx2", "avx512-vnni", "avx-vnni") if quant_isa(name) == name]
-    quant_isa()  # back to the best
-    return runs
+    """The instruction sets of the products: those this CPU runs (AVX2 always), and the
+    others emulated (tests/emulated.py)."""
+    return [isa if native(isa) else f"{isa} emulated" for isa in ("avx2", *EMULATED_ISAS)]
 
 
 @pytest.fixture(params=isas())
-def isa(request: pytest.FixtureRequest):
-    assert quant_isa(request.param) == request.param
-    yield request.param
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    name = request.param.removesuffix(" emulated")
+    if name != request.param:
+        use_emulated(monkeypatch, name)
+    assert quant_isa(name) == name
+    yield name
     quant_isa()  # back to the best
 
 
@@ -183,11 +188,15 @@ def test_tensor_parallel_shards_cut_on_block_boundaries(qtype: T) -> None:
         block_columns(part, values_per_block // 2, 512)
 
 
-@pytest.mark.skipif("avx-vnni" not in isas(), reason="no VNNI here")
 @pytest.mark.parametrize("qtype", [*LEGACY, *K_QUANTS], ids=lambda t: t.name)
-def test_the_vnni_products_equal_avx2s_bit_for_bit(qtype: T) -> None:
+def test_the_vnni_products_equal_avx2s_bit_for_bit(
+    qtype: T, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The 256-bit VNNI instructions compute the same integers as AVX2's multiply-adds
-    (here in AVX512-VNNI's 256-bit form where the CPU has no AVX-VNNI: the same code)."""
+    (in AVX512-VNNI's 256-bit form where the CPU has no AVX-VNNI: the same code; emulated
+    where it has neither)."""
+    if not native("avx-vnni"):
+        use_emulated(monkeypatch, "avx-vnni")
     rng = np.random.default_rng(200 + int(qtype))
     values = (rng.standard_normal((18, 512)) * 0.1).astype(np.float32)
     values[0, :32] = -values[0, :32].max()  # Q8_0 codes at -127 (and -128 in a block)
@@ -203,3 +212,50 @@ def test_the_vnni_products_equal_avx2s_bit_for_bit(qtype: T) -> None:
     finally:
         quant_isa()
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1], ids=lambda t: t.name)
+def test_rows_interleaved_in_groups_of_16_hold_the_same_blocks(qtype: T, isa: str) -> None:
+    """A part copied into groups of 16 rows (AVX512-VNNI's layout; read through its row
+    index, as q/k are) takes the same bytes, decodes to the reference bit for bit, and
+    multiplies as the plain blocks do, within the same tolerance and whatever the batch,
+    next to a plain part of an odd number of rows of another type. On other instruction
+    sets the rows are rebuilt from their groups."""
+    rng = np.random.default_rng(200 + int(qtype))
+    values = (rng.standard_normal((48, 800)) * 0.1).astype(np.float32)  # 3 groups, 25 blocks
+    packed = blocks(values, qtype)
+    index = rng.permutation(len(values)).astype(np.int32)
+    stored = np.empty_like(packed)
+    stored[index] = packed
+    part = (int(qtype), torch.from_numpy(stored), torch.from_numpy(index))
+    assert can_interleave(part)
+    grouped = interleave_rows(part)
+    assert grouped[1].shape == stored.shape and grouped[2] is None
+    assert not np.array_equal(grouped[1].numpy(), packed)  # reordered
+    tail = (rng.standard_normal((5, 800)) * 0.1).astype(np.float32)
+    w = QuantWeight([grouped, (int(T.Q5_0), torch.from_numpy(blocks(tail, T.Q5_0)), None)],
+                    [True, False])  # fmt: skip
+    reference = np.concatenate(
+        [dequantize(packed, qtype).reshape(values.shape), weight(tail, T.Q5_0)[1]]
+    ).astype(np.float32)
+    assert np.array_equal(dequantize_rows(w, 0, 53, 800).numpy(), reference)
+    x = rng.standard_normal((37, 800)).astype(np.float32)
+    y = quant_linear(w, torch.from_numpy(x)).numpy()
+    xs = quantized_activations(x, 32)
+    exact = xs @ reference.astype(np.float64).T
+    bound = TOLERANCE * (np.abs(xs) @ np.abs(reference.astype(np.float64)).T) + 1e-30
+    assert np.all(np.abs(y - exact) <= bound), np.abs(y - exact).max()
+    for n in (1, 2, 9, 33):
+        assert np.array_equal(quant_linear(w, torch.from_numpy(x[:n])).numpy(), y[:n])
+
+
+def test_only_whole_legacy_rows_in_sixteens_interleave() -> None:
+    rng = np.random.default_rng(5)
+    values = (rng.standard_normal((32, 512)) * 0.1).astype(np.float32)
+    q4 = (int(T.Q4_0), torch.from_numpy(blocks(values, T.Q4_0)), None)
+    assert can_interleave(q4)
+    assert not can_interleave(block_rows(q4, 0, 24))  # 24 rows
+    assert not can_interleave(block_columns(q4, 0, 256))  # a tensor-parallel rank's columns
+    assert not can_interleave((int(T.Q4_K), torch.from_numpy(blocks(values, T.Q4_K)), None))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        interleave_rows(block_rows(q4, 0, 24))

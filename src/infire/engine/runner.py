@@ -130,13 +130,16 @@ class ModelRunner:
         elif cpu_kernels and module_blocks is not None:  # the linears hold the weights
             self.fused_status = f"unavailable: {modules_why}"
         elif cpu_kernels:
-            built = CpuForward.build(self.model, self.kv_cache, dtype, palette, blocks)
+            release = getattr(weights, "release_blocks", None)  # a GGUFSource's
+            built = CpuForward.build(self.model, self.kv_cache, dtype, palette, blocks, release)
             self.fused = built if isinstance(built, CpuForward) else None
             self.fused_status = "active" if self.fused else f"unavailable: {built}"
         if blocks is not None and self.fused is None:  # checked before loading: not expected
             raise ModelLoadError(f"GGUF blocks cannot be served: {self.fused_status}")
         if blocks is not None:
             self.fused_status += ", GGUF blocks"
+            if self.fused.interleaved:
+                self.fused_status += f" ({self.fused.interleaved} tensors in groups of 16 rows)"
         self.fused_status += self.quant_status
         if palette:  # weights from an Unweight palette-form folder
             held = self.fused is not None and self.fused.palette

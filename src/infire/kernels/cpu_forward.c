@@ -29,6 +29,16 @@
 #include <stdint.h>
 #include <string.h>
 
+/* The functions that run instructions beyond AVX2, FMA and F16C, chosen at run time by
+ * what the CPU supports. tests/kernels/emulated_avx512.h redefines these (and the
+ * intrinsics) to build those paths, emulated in AVX2, on CPUs without them. */
+#ifndef CPU_SUPPORTS
+#define CPU_SUPPORTS(feature) __builtin_cpu_supports(feature)
+#define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")))
+#define TARGET_VNNI_EVEX __attribute__((target("avx512vl,avx512vnni")))
+#define TARGET_AVXVNNI __attribute__((target("avx2,fma,avxvnni")))
+#endif
+
 #define TILE_ROWS 4
 #define TILE_COLS 16
 #define TOKEN_BLOCK 32 /* tokens whose activations stay in cache while a weight tile streams */
@@ -287,6 +297,8 @@ typedef struct {
                                  tensor-parallel rank holds some of each row's blocks */
     const uint8_t *data;
     const int32_t *row_index; /* row r is stored at row_index[r] (NULL: at r) */
+    int32_t interleaved;      /* rows in groups of 16, see infire_repack_rows16 */
+    int32_t unused;
 } QuantPart;
 
 typedef struct {
@@ -408,7 +420,7 @@ static void dequant_row(int type, const uint8_t *b, int cols, float *out) {
     }
 }
 
-/* Where row `at` of a part is stored. */
+/* Where row `at` of a part is stored (a part whose rows are not interleaved). */
 static inline const uint8_t *quant_row(const QuantPart *p, long at) {
     return p->data + (p->row_index ? p->row_index[at] : at) * p->row_stride;
 }
@@ -454,12 +466,14 @@ static inline int is_k_quant(int type) {
 /* A block of tokens' quantized activations, token t's at t times each stride.
  *  - per 32 (legacy types): codes in q_stride bytes (a whole number of 64-byte pairs of
  *    blocks, zero past the end); per 16 codes (x_stride floats, zero past the end) the
- *    block's scale and the codes' sum times it (what a weight's offset B multiplies);
+ *    block's scale and the codes' sum times it (what a weight's offset B multiplies), and
+ *    per 32 the scale times the block's sum;
  *  - per 256 (K-quants; cols a multiple of 256): cols codes, a scale per 256 and the sum
  *    of each 16 codes. */
 typedef struct {
     const int8_t *q;
     const float *scale, *xsum;
+    const float *xblock; /* per 32 codes: the scale times their sum (interleaved rows) */
     const int8_t *qk;
     const float *dk;
     const int16_t *bsum;
@@ -493,7 +507,8 @@ static inline int round16(const float *x, float id, int8_t *q) {
     return _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1)));
 }
 
-static void quantize_x(const float *x, int cols, int8_t *q, float *scale, float *xsum) {
+static void quantize_x(const float *x, int cols, int8_t *q, float *scale, float *xsum,
+                       float *xblock) {
     memset(q + cols, 0, q_stride(cols) - cols);
     for (int i = 2 * (cols / QX_BLOCK); i < x_stride(cols); i++) scale[i] = xsum[i] = 0.0f;
     for (int b = 0; b < cols / QX_BLOCK; b++) {
@@ -503,6 +518,7 @@ static void quantize_x(const float *x, int cols, int8_t *q, float *scale, float 
         scale[2 * b] = scale[2 * b + 1] = d;
         xsum[2 * b] = d * (float)s0;
         xsum[2 * b + 1] = d * (float)s1;
+        xblock[b] = d * (float)(s0 + s1);
     }
 }
 
@@ -608,6 +624,64 @@ static inline __attribute__((always_inline)) void prefetch_rows(
     }
 }
 
+/*
+ * Interleaved rows. On AVX512-VNNI, Q4_0, Q4_1 and Q8_0 parts whose rows are whole and a
+ * multiple of 16 are copied once at load into groups of 16 rows: the same bytes in another
+ * order (a part takes the same memory). Per block of 32 values, a group stores its 16
+ * rows' scales d (fp16), then Q4_1's mins m, then their codes 4 bytes of a row at a time:
+ * bytes 4 k .. 4 k + 3 of the 16 rows form 64-byte vector k, row i in 32-bit lane i. One
+ * `vpdpbusd` of such a vector with 4 of a token's activation codes broadcast sums 4
+ * products for each of the 16 rows, and a token's 16 results come out as one vector.
+ * Q8_0's codes are stored + 128 (unsigned; the offset takes it back), Q4_0's and Q4_1's
+ * bytes as the file has them (a byte's low nibble is value j, its high one j + 16).
+ */
+#define GROUP_ROWS 16
+
+static inline int group_scale_bytes(int type) { return type == GGML_Q4_1 ? 4 : 2; }
+
+/* Exported: `rows` rows (a multiple of 16) of a Q4_0, Q4_1 or Q8_0 part, row r read at
+ * src + (row_index ? row_index[r] : r) * row_stride, into groups of 16 at dst (rows *
+ * row_bytes bytes). */
+void infire_repack_rows16(int type, int rows, long row_bytes, const uint8_t *src,
+                          long row_stride, const int32_t *row_index, uint8_t *dst) {
+    const long size = value_offset(type, QX_BLOCK), blocks = row_bytes / size;
+    const int sb = group_scale_bytes(type), codes = (int)size - sb;
+    const uint8_t flip = type == GGML_Q8_0 ? 0x80 : 0;
+    for (int g = 0; g < rows / GROUP_ROWS; g++)
+        for (int i = 0; i < GROUP_ROWS; i++) {
+            const long r = (long)g * GROUP_ROWS + i;
+            const uint8_t *row = src + (row_index ? row_index[r] : r) * row_stride;
+            for (long b = 0; b < blocks; b++) {
+                const uint8_t *blk = row + b * size;
+                uint8_t *out = dst + (long)g * GROUP_ROWS * row_bytes + b * GROUP_ROWS * size;
+                memcpy(out + 2 * i, blk, 2);
+                if (sb == 4) memcpy(out + 2 * GROUP_ROWS + 2 * i, blk + 2, 2);
+                for (int j = 0; j < codes; j++)
+                    out[GROUP_ROWS * sb + 64 * (j / 4) + 4 * i + j % 4] = blk[sb + j] ^ flip;
+            }
+        }
+}
+
+/* Row `at` of a part as the file stores it: where it lies, or rebuilt into `buf`
+ * (row_bytes) from its group. */
+static const uint8_t *plain_row(const QuantPart *p, long at, uint8_t *buf) {
+    if (!p->interleaved) return quant_row(p, at);
+    const int type = p->type, sb = group_scale_bytes(type);
+    const long size = value_offset(type, QX_BLOCK), blocks = p->row_bytes / size;
+    const int codes = (int)size - sb, i = (int)(at % GROUP_ROWS);
+    const uint8_t flip = type == GGML_Q8_0 ? 0x80 : 0;
+    const uint8_t *group = p->data + at / GROUP_ROWS * GROUP_ROWS * p->row_bytes;
+    for (long b = 0; b < blocks; b++) {
+        const uint8_t *in = group + b * GROUP_ROWS * size;
+        uint8_t *blk = buf + b * size;
+        memcpy(blk, in + 2 * i, 2);
+        if (sb == 4) memcpy(blk + 2, in + 2 * GROUP_ROWS + 2 * i, 2);
+        for (int j = 0; j < codes; j++)
+            blk[sb + j] = in[GROUP_ROWS * sb + 64 * (j / 4) + 4 * i + j % 4] ^ flip;
+    }
+    return buf;
+}
+
 /* A K-quant block's scales as 16-bit integers per group of 16 values, in registers: sc
  * (and m for Q4_K, Q5_K), with d and dmin. */
 typedef struct {
@@ -702,11 +776,11 @@ static inline __attribute__((always_inline)) void hsum_rows(const int nr, __m256
  */
 #if defined(__clang__) || __GNUC__ >= 11
 #define HAVE_AVXVNNI 1
-static inline __attribute__((target("avx2,avxvnni"))) __m256i dpbusd_vex(__m256i acc, __m256i u,
+static inline TARGET_AVXVNNI __m256i dpbusd_vex(__m256i acc, __m256i u,
                                                                           __m256i x) {
     return _mm256_dpbusd_avx_epi32(acc, u, x);
 }
-static inline __attribute__((target("avx2,avxvnni"))) __m256i dpwssd_vex(__m256i acc, __m256i a,
+static inline TARGET_AVXVNNI __m256i dpwssd_vex(__m256i acc, __m256i a,
                                                                           __m256i b) {
     return _mm256_dpwssd_avx_epi32(acc, a, b);
 }
@@ -714,12 +788,12 @@ static inline __attribute__((target("avx2,avxvnni"))) __m256i dpwssd_vex(__m256i
 #define dpbusd_vex dpbusd_evex
 #define dpwssd_vex dpwssd_evex
 #endif
-static inline __attribute__((target("avx512vl,avx512vnni"))) __m256i dpbusd_evex(__m256i acc,
+static inline TARGET_VNNI_EVEX __m256i dpbusd_evex(__m256i acc,
                                                                                  __m256i u,
                                                                                  __m256i x) {
     return _mm256_dpbusd_epi32(acc, u, x);
 }
-static inline __attribute__((target("avx512vl,avx512vnni"))) __m256i dpwssd_evex(__m256i acc,
+static inline TARGET_VNNI_EVEX __m256i dpwssd_evex(__m256i acc,
                                                                                  __m256i a,
                                                                                  __m256i b) {
     return _mm256_dpwssd_epi32(acc, a, b);
@@ -836,7 +910,7 @@ static inline __attribute__((always_inline)) void rows_dots_q_typed(
  * bits, so Q8_0's signed codes are shifted to unsigned (u = w + 128, B = -128 d) instead
  * of lending their signs. Per (row, token) the operations are fixed, whatever the batch.
  */
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")))
+#define AVX512 TARGET_AVX512
 
 /* unpack64 of two whole Q4_0, Q4_1 or Q8_0 blocks, in vectors: the same codes, A and B
  * (the scales converted four at a time, the nibbles of both blocks split at once). */
@@ -1074,6 +1148,67 @@ static inline AVX512 __attribute__((always_inline)) void rows_dots_q512_typed(
     }
 }
 
+#define GROUP_AHEAD 8192 /* how far ahead of the products a group's bytes are fetched */
+#define G_TOKENS 8        /* tokens whose interleaved-row sums stay in registers */
+
+/* A group of 16 interleaved rows (see infire_repack_rows16) with `nt` tokens: out[t * 16
+ * + i] is row i's product with token t. Per block, the group's codes are unpacked once for
+ * each G_TOKENS tokens; per (row, token) the operations are fixed, whatever the batch. */
+static inline AVX512 __attribute__((always_inline)) void rows16_typed(
+    const int type, const uint8_t *group, int nt, const QuantX *x, float *out) {
+    const int cols = x->cols, blocks = cols / QX_BLOCK, qs = q_stride(cols), xs = x_stride(cols);
+    const long size = GROUP_ROWS * value_offset(type, QX_BLOCK);
+    const int four = type != GGML_Q8_0, sb = group_scale_bytes(type);
+    for (int t0 = 0; t0 < nt; t0 += G_TOKENS) {
+        const int count = nt - t0 < G_TOKENS ? nt - t0 : G_TOKENS;
+        __m512 acc[G_TOKENS];
+        for (int j = 0; j < G_TOKENS; j++) acc[j] = _mm512_setzero_ps();
+        for (int b = 0; b < blocks; b++) {
+            const uint8_t *blk = group + b * size;
+            for (long o = 0; o < size; o += 64) _mm_prefetch((const char *)blk + GROUP_AHEAD + o, _MM_HINT_T0);
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+            const __m512 off = type == GGML_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
+                                                 : _mm512_mul_ps(d, _mm512_set1_ps(four ? -8.0f : -128.0f));
+            const uint8_t *codes = blk + GROUP_ROWS * sb;
+            __m512i u[8];
+            int col[8]; /* the first of the 4 values each vector's lanes hold */
+            for (int k = 0; k < 4 + 4 * !four; k++) {
+                __m512i v = _mm512_loadu_si512(codes + 64 * k);
+                if (four) {
+                    u[k] = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+                    u[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+                    col[k] = 4 * k, col[k + 4] = 16 + 4 * k;
+                } else
+                    u[k] = v, col[k] = 4 * k;
+            }
+            for (int j = 0; j < G_TOKENS; j++) {
+                if (j >= count) break;
+                const long t = t0 + j;
+                const int8_t *q = x->q + t * qs + QX_BLOCK * b;
+                __m512i dot0 = _mm512_setzero_si512(), dot1 = dot0;
+                for (int k = 0; k < 8; k += 2) {
+                    int32_t a, c;
+                    memcpy(&a, q + col[k], 4);
+                    memcpy(&c, q + col[k + 1], 4);
+                    dot0 = _mm512_dpbusd_epi32(dot0, u[k], _mm512_set1_epi32(a));
+                    dot1 = _mm512_dpbusd_epi32(dot1, u[k + 1], _mm512_set1_epi32(c));
+                }
+                const __m512 p = _mm512_cvtepi32_ps(_mm512_add_epi32(dot0, dot1));
+                acc[j] = _mm512_fmadd_ps(p, _mm512_mul_ps(d, _mm512_set1_ps(x->scale[t * xs + 2 * b])), acc[j]);
+                acc[j] = _mm512_fmadd_ps(off, _mm512_set1_ps(x->xblock[t * blocks + b]), acc[j]);
+            }
+        }
+        for (int j = 0; j < count; j++) _mm512_storeu_ps(out + (long)(t0 + j) * GROUP_ROWS, acc[j]);
+    }
+}
+
+static AVX512 void rows16_dots(int type, const uint8_t *group, int nt, const QuantX *x,
+                               float *out) {
+    if (type == GGML_Q4_0) rows16_typed(GGML_Q4_0, group, nt, x, out);
+    else if (type == GGML_Q4_1) rows16_typed(GGML_Q4_1, group, nt, x, out);
+    else rows16_typed(GGML_Q8_0, group, nt, x, out);
+}
+
 /* Each type's loop compiled on its own (the type a constant in it). */
 #define FOR_EACH_QUANT_TYPE(CALL)                                                          \
     switch (type) {                                                                        \
@@ -1109,7 +1244,7 @@ static void rows_dots_avx2(int type, const uint8_t *row0, const uint8_t *row1, i
 }
 
 #ifdef HAVE_AVXVNNI
-static __attribute__((target("avx2,fma,avxvnni"))) void rows_dots_vnni_vex(
+static TARGET_AVXVNNI void rows_dots_vnni_vex(
     int type, const uint8_t *row0, const uint8_t *row1, int nt, const QuantX *x, float *out0,
     float *out1) {
 #define DOTS_VEX(KIND, T) DOTS_SHAPES(rows_dots_##KIND##_v1, T)
@@ -1134,16 +1269,16 @@ static AVX512 void rows_dots_avx512(int type, const uint8_t *row0, const uint8_t
 static int quant_isa = 0, vnni_form = 0;
 
 static int has_avx512_vnni(void) {
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    return CPU_SUPPORTS("avx512vnni") && CPU_SUPPORTS("avx512bw") &&
+           CPU_SUPPORTS("avx512vl") && CPU_SUPPORTS("avx512dq");
 }
 
 /* The form of the 256-bit VNNI products this CPU runs (1 VEX, 2 EVEX), or 0. */
 static int detect_vnni_form(void) {
 #ifdef HAVE_AVXVNNI
-    if (__builtin_cpu_supports("avxvnni")) return 1;
+    if (CPU_SUPPORTS("avxvnni")) return 1;
 #endif
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") ? 2 : 0;
+    return CPU_SUPPORTS("avx512vnni") && CPU_SUPPORTS("avx512vl") ? 2 : 0;
 }
 
 static int detect_quant_isa(void) {
@@ -1153,8 +1288,10 @@ static int detect_quant_isa(void) {
 }
 
 /* Exported: choose the products' instruction set (0: the best this CPU has, 1: AVX2,
- * 2: AVX512-VNNI, 3: 256-bit VNNI, where the CPU has it); returns the one in use. */
+ * 2: AVX512-VNNI, 3: 256-bit VNNI, where the CPU has it; -1: keep the one in use);
+ * returns the one in use. */
 int infire_quant_isa(int wanted) {
+    if (wanted < 0 && quant_isa) return quant_isa;
     int best = detect_quant_isa();
     int can = wanted == 1 || (wanted == 2 && has_avx512_vnni()) || (wanted == 3 && vnni_form);
     quant_isa = can ? wanted : best;
@@ -1188,83 +1325,116 @@ static inline int is_float_type(int type) {
     return type == GGML_F32 || type == GGML_F16 || type == GGML_BF16;
 }
 
-/* The first row pair at or after `share` bytes of a weight's rows (pairs of a `rows`-row
- * weight). */
-static int pair_at_bytes(const QuantWeight *w, int pairs, long share) {
+/* A part's units of work: its groups of 16 where its rows are interleaved, else pairs of
+ * rows (the last may be one). */
+static inline int unit_rows(const QuantPart *p) { return p->interleaved ? GROUP_ROWS : 2; }
+static inline int part_units(const QuantPart *p) { return (p->rows + unit_rows(p) - 1) / unit_rows(p); }
+
+/* The first unit (counted over the parts in order) at or after `share` bytes of a weight. */
+static int unit_at_bytes(const QuantWeight *w, long share) {
     long before = 0;
-    int first_row = 0;
+    int units = 0;
     for (int p = 0; p < w->num_parts; p++) {
-        const long bytes = (long)w->parts[p].rows * w->parts[p].row_bytes;
+        const QuantPart *part = &w->parts[p];
+        const long bytes = (long)part->rows * part->row_bytes, unit = unit_rows(part) * part->row_bytes;
         if (before + bytes > share) {
-            long row = first_row + (share - before + w->parts[p].row_bytes - 1) / w->parts[p].row_bytes;
-            int pair = (int)((row + 1) / 2);
-            return pair < pairs ? pair : pairs;
+            const long at = (share - before + unit - 1) / unit;
+            return units + (at < part_units(part) ? (int)at : part_units(part));
         }
         before += bytes;
-        first_row += w->parts[p].rows;
+        units += part_units(part);
     }
-    return pairs;
+    return units;
+}
+
+/* y[t0 + t, row + i] (+)= out[t * stride + i] (+ bias[row + i]) for nt tokens, count rows. */
+static inline void store_rows(float *y, int ldy, int accumulate, const float *bias, int row,
+                              int count, int t0, int nt, const float *out, int stride) {
+    for (int i = 0; i < count; i++) {
+        const float add = bias ? bias[row + i] : 0.0f;
+        for (int t = 0; t < nt; t++) {
+            float *yt = y + (long)(t0 + t) * ldy + row + i;
+            const float v = out[t * stride + i];
+            *yt = accumulate ? *yt + (v + add) : v + add;
+        }
+    }
 }
 
 /* y[t, :rows] (+)= W x[t] (+ bias) for a QuantWeight, inside a parallel region: per block
  * of tokens each thread quantizes their activations (cheap next to the product: per 32
  * values where a legacy part needs them, per 256 where a K-quant part does), then takes
- * its share of the rows, each row unpacked once for the block's tokens. The shares are
- * equal in bytes, not rows: a q|k|v whose v is Q6_K has heavier rows at its end. */
+ * its share of the units (groups of 16 interleaved rows, pairs of others), each unpacked
+ * once for the block's tokens. The shares are equal in bytes, not rows: a q|k|v whose v
+ * is Q6_K has heavier rows at its end. */
 static void quant_linear_impl(const QuantWeight *w, const float *bias, const float *x, int n,
-                              int cols, float *y, int rows, int ldy, int accumulate) {
+                              int cols, float *y, int ldy, int accumulate) {
     int legacy = 0, k_quant = 0;
     for (int p = 0; p < w->num_parts; p++) {
         k_quant |= is_k_quant(w->parts[p].type);
         legacy |= !is_k_quant(w->parts[p].type) && !is_float_type(w->parts[p].type);
     }
     const int qs = legacy ? q_stride(cols) : 0, xs = legacy ? x_stride(cols) : 0;
+    const int xb = legacy ? cols / QX_BLOCK : 0;
     const int kq = k_quant ? cols : 0, kb = kq / QK_BLOCK;
     int8_t q[TOKEN_BLOCK * qs + 1], qk[TOKEN_BLOCK * kq + 1];
-    float scale[TOKEN_BLOCK * xs + 1], xsum[TOKEN_BLOCK * xs + 1], dk[TOKEN_BLOCK * kb + 1];
+    float scale[TOKEN_BLOCK * xs + 1], xsum[TOKEN_BLOCK * xs + 1], xblock[TOKEN_BLOCK * xb + 1];
+    float dk[TOKEN_BLOCK * kb + 1];
     int16_t bsum[TOKEN_BLOCK * 16 * kb + 1];
-    const QuantX qx = {q, scale, xsum, qk, dk, bsum, cols};
-    float row_f32[cols], out[2][TOKEN_BLOCK];
-    int pairs = (rows + 1) / 2;
+    const QuantX qx = {q, scale, xsum, xblock, qk, dk, bsum, cols};
+    long row_bytes = 0;
+    for (int p = 0; p < w->num_parts; p++)
+        row_bytes = w->parts[p].row_bytes > row_bytes ? w->parts[p].row_bytes : row_bytes;
+    uint8_t plain[2][row_bytes + 1]; /* rows rebuilt from a group (another ISA than its own) */
+    float row_f32[cols], out[GROUP_ROWS * TOKEN_BLOCK];
     long total = 0;
-    for (int p = 0; p < w->num_parts; p++) total += (long)w->parts[p].rows * w->parts[p].row_bytes;
+    int units = 0;
+    for (int p = 0; p < w->num_parts; p++) {
+        total += (long)w->parts[p].rows * w->parts[p].row_bytes;
+        units += part_units(&w->parts[p]);
+    }
     const int threads = omp_get_num_threads(), me = omp_get_thread_num();
-    const int begin = pair_at_bytes(w, pairs, total * me / threads);
-    const int end = me + 1 == threads ? pairs : pair_at_bytes(w, pairs, total * (me + 1) / threads);
+    const int begin = unit_at_bytes(w, total * me / threads);
+    const int end = me + 1 == threads ? units : unit_at_bytes(w, total * (me + 1) / threads);
+    if (!quant_isa) quant_isa = detect_quant_isa();
     for (int t0 = 0; t0 < n; t0 += TOKEN_BLOCK) {
         int t1 = t0 + TOKEN_BLOCK < n ? t0 + TOKEN_BLOCK : n, nt = t1 - t0;
         for (int t = 0; t < nt; t++) {
             const float *xt = x + (long)(t0 + t) * cols;
-            if (legacy) quantize_x(xt, cols, q + t * qs, scale + t * xs, xsum + t * xs);
+            if (legacy) quantize_x(xt, cols, q + t * qs, scale + t * xs, xsum + t * xs, xblock + t * xb);
             if (k_quant) quantize_xk(xt, cols, qk + t * kq, dk + t * kb, bsum + t * 16 * kb);
         }
-        for (int pair = begin; pair < end; pair++) {
-            int first = 2 * pair, count = first + 1 < rows ? 2 : 1;
-            int at0 = first, at1 = first + 1;
-            const QuantPart *p0 = quant_part(w, &at0);
-            const QuantPart *p1 = count == 2 ? quant_part(w, &at1) : NULL;
-            if (is_float_type(p0->type) || (p1 && p1->type != p0->type) ||
-                (p1 && is_float_type(p1->type))) {
-                for (int r = 0; r < count; r++) { /* one row at a time */
-                    int at = first + r;
-                    const QuantPart *p = quant_part(w, &at);
-                    if (is_float_type(p->type)) {
-                        dequant_row(p->type, quant_row(p, at), cols, row_f32);
-                        for (int t = 0; t < nt; t++)
-                            out[r][t] = row_dot_f32(row_f32, x + (long)(t0 + t) * cols, cols);
-                    } else
-                        rows_dots(p->type, quant_row(p, at), NULL, nt, &qx, out[r], NULL);
+        int base = 0, first_row = 0;
+        for (int p = 0; p < w->num_parts; p++) {
+            const QuantPart *part = &w->parts[p];
+            const int lo = begin - base > 0 ? begin - base : 0;
+            const int hi = end - base < part_units(part) ? end - base : part_units(part);
+            for (int u = lo; u < hi; u++) {
+                const int r0 = u * unit_rows(part);
+                const int count = part->rows - r0 < unit_rows(part) ? part->rows - r0 : unit_rows(part);
+                if (part->interleaved && quant_isa == 2) {
+                    rows16_dots(part->type, part->data + (long)r0 * part->row_bytes, nt, &qx, out);
+                    store_rows(y, ldy, accumulate, bias, first_row + r0, count, t0, nt, out, GROUP_ROWS);
+                    continue;
                 }
-            } else
-                rows_dots(p0->type, quant_row(p0, at0), p1 ? quant_row(p1, at1) : NULL, nt, &qx,
-                          out[0], out[1]);
-            for (int r = 0; r < count; r++) {
-                float add = bias ? bias[first + r] : 0.0f;
-                for (int t = 0; t < nt; t++) {
-                    float *yt = y + (long)(t0 + t) * ldy + first + r;
-                    *yt = accumulate ? *yt + (out[r][t] + add) : out[r][t] + add;
+                for (int r = 0; r < count; r += 2) {
+                    const int two = r + 1 < count;
+                    if (is_float_type(part->type)) {
+                        for (int k = 0; k <= two; k++) {
+                            dequant_row(part->type, quant_row(part, r0 + r + k), cols, row_f32);
+                            for (int t = 0; t < nt; t++)
+                                out[k * TOKEN_BLOCK + t] = row_dot_f32(row_f32, x + (long)(t0 + t) * cols, cols);
+                        }
+                    } else
+                        rows_dots(part->type, plain_row(part, r0 + r, plain[0]),
+                                  two ? plain_row(part, r0 + r + 1, plain[1]) : NULL, nt, &qx, out,
+                                  out + TOKEN_BLOCK);
+                    for (int k = 0; k <= two; k++)
+                        store_rows(y, ldy, accumulate, bias, first_row + r0 + r + k, 1, t0, nt,
+                                   out + k * TOKEN_BLOCK, 1);
                 }
             }
+            base += part_units(part);
+            first_row += part->rows;
         }
     }
 #pragma omp barrier
@@ -1272,20 +1442,22 @@ static void quant_linear_impl(const QuantWeight *w, const float *bias, const flo
 
 /* Exported for the tests: rows [first, first + n) of a QuantWeight as fp32 row-major. */
 void infire_dequantize_rows(const QuantWeight *w, int first, int n, int cols, float *out) {
+    uint8_t buf[cols / QX_BLOCK * 34 + 1];
     for (int r = 0; r < n; r++) {
         int at = first + r;
         const QuantPart *p = quant_part(w, &at);
-        dequant_row(p->type, quant_row(p, at), cols, out + (long)r * cols);
+        dequant_row(p->type, plain_row(p, at, buf), cols, out + (long)r * cols);
     }
 }
 
 /* Exported: the rows `ids[0..n)` of a QuantWeight as fp32 (an embedding's lookups). */
 void infire_dequantize_gather(const QuantWeight *w, const int64_t *ids, int n, int cols,
                               float *out) {
+    uint8_t buf[cols / QX_BLOCK * 34 + 1];
     for (int r = 0; r < n; r++) {
         int at = (int)ids[r];
         const QuantPart *p = quant_part(w, &at);
-        dequant_row(p->type, quant_row(p, at), cols, out + (long)r * cols);
+        dequant_row(p->type, plain_row(p, at, buf), cols, out + (long)r * cols);
     }
 }
 
@@ -1347,7 +1519,7 @@ static void linear(const InfireModel *m, const void *w, const float *bias, const
         uint16_t scratch[TILE_ROWS * cols];
         linear_impl(w, WEIGHT_PALETTE, bias, x, n, cols, y, rows, ldy, accumulate, scratch);
     } else if (m->weight_quant)
-        quant_linear_impl(w, bias, x, n, cols, y, rows, ldy, accumulate);
+        quant_linear_impl(w, bias, x, n, cols, y, ldy, accumulate);
     else if (m->weight_bf16)
         linear_impl(w, WEIGHT_BF16, bias, x, n, cols, y, rows, ldy, accumulate, NULL);
     else
@@ -1359,7 +1531,7 @@ static void linear(const InfireModel *m, const void *w, const float *bias, const
 void infire_quant_linear(const QuantWeight *w, const float *x, int n, int cols, float *y,
                          int rows) {
 #pragma omp parallel
-    quant_linear_impl(w, NULL, x, n, cols, y, rows, rows, 0);
+    quant_linear_impl(w, NULL, x, n, cols, y, rows, 0);
 }
 
 /* out = x / rms(x) * weight over one row of dim floats (out may be x) */
@@ -1406,7 +1578,8 @@ static void embed_tokens(const InfireModel *m, const int64_t *token_ids, int n, 
         } else if (m->weight_quant) { /* the looked-up row, decoded */
             int at = (int)token_ids[t];
             const QuantPart *p = quant_part(m->embed, &at);
-            dequant_row(p->type, quant_row(p, at), h, xt);
+            uint8_t buf[h / QX_BLOCK * 34 + 1];
+            dequant_row(p->type, plain_row(p, at, buf), h, xt);
         } else if (m->weight_bf16)
             for (int i = 0; i < h; i++) xt[i] = bf16_to_f32(((const uint16_t *)m->embed)[row + i]);
         else

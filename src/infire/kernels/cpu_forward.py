@@ -78,7 +78,8 @@ class _QuantPart(ctypes.Structure):
     """Mirror of QuantPart in cpu_forward.c: rows of one GGML type, blocks along a row."""
 
     _fields_ = [("type", ctypes.c_int32), ("rows", ctypes.c_int32), ("row_bytes", ctypes.c_int64),
-                ("row_stride", ctypes.c_int64), ("data", _ptr), ("row_index", _ptr)]  # fmt: skip
+                ("row_stride", ctypes.c_int64), ("data", _ptr), ("row_index", _ptr),
+                ("interleaved", ctypes.c_int32), ("unused", ctypes.c_int32)]  # fmt: skip
 
 
 class QuantWeight(ctypes.Structure):
@@ -86,13 +87,15 @@ class QuantWeight(ctypes.Structure):
     whole rows (a fused q|k|v whose pieces have different types). `parts` are GGUFBlocks:
     GGML type id, [rows, row_bytes] uint8 tensor (its rows may be further apart than
     row_bytes: a column slice), and the stored row of each row (None: in order); the
-    tensors stay referenced here."""
+    tensors stay referenced here. `interleaved` marks the parts that interleave_rows
+    copied into groups of 16 rows."""
 
     _fields_ = [("num_parts", ctypes.c_int32), ("parts", _QuantPart * MAX_QUANT_PARTS)]
 
-    def __init__(self, parts: list[GGUFBlocks]) -> None:
+    def __init__(self, parts: list[GGUFBlocks], interleaved: list[bool] | None = None) -> None:
         if not 0 < len(parts) <= MAX_QUANT_PARTS:
             raise ValueError(f"a QuantWeight has 1 to {MAX_QUANT_PARTS} parts, not {len(parts)}")
+        interleaved = interleaved or [False] * len(parts)
         for _, data, index in parts:
             if data.dtype != torch.uint8 or data.dim() != 2 or data.stride(1) != 1:
                 raise ValueError("GGUF blocks are [rows, row_bytes] uint8 with bytes in order")
@@ -100,12 +103,56 @@ class QuantWeight(ctypes.Structure):
                 raise ValueError("a row index is contiguous int32")
         structs = [_QuantPart(kind, index.numel() if index is not None else data.shape[0],
                               data.shape[1], data.stride(0), data.data_ptr(),
-                              None if index is None else index.data_ptr())
-                   for kind, data, index in parts]  # fmt: skip
+                              None if index is None else index.data_ptr(), grouped, 0)
+                   for (kind, data, index), grouped in zip(parts, interleaved, strict=True)]  # fmt: skip
         super().__init__(len(parts), (_QuantPart * MAX_QUANT_PARTS)(*structs))
         self.tensors = [t for _, data, index in parts for t in (data, index) if t is not None]
         self.rows = sum(part.rows for part in structs)
         self.parts_blocks = parts
+        self.interleaved = interleaved
+
+
+# GGML types whose rows the AVX512-VNNI products take in groups of 16: Q4_0, Q4_1, Q8_0
+INTERLEAVED_TYPES = (2, 3, 8)
+GROUP_ROWS = 16
+
+
+def interleaves() -> bool:
+    """Whether the GGUF products in use take rows interleaved in groups of 16
+    (AVX512-VNNI's, the CPU's best where it has them, unless quant_isa chose others)."""
+    return _library().infire_quant_isa(-1) == 2
+
+
+def can_interleave(part: GGUFBlocks) -> bool:
+    """Whether interleave_rows takes this part: Q4_0, Q4_1 or Q8_0, whole rows (not a
+    tensor-parallel rank's column slice), a multiple of 16 of them."""
+    kind, data, index = part
+    rows = index.numel() if index is not None else data.shape[0]
+    return kind in INTERLEAVED_TYPES and rows % GROUP_ROWS == 0 and data.stride(0) == data.shape[1]
+
+
+def interleave_rows(part: GGUFBlocks, out: torch.Tensor | None = None) -> GGUFBlocks:
+    """A part's rows copied once (in the row index's order) into groups of 16 rows, the
+    layout of the AVX512-VNNI products (infire_repack_rows16 in cpu_forward.c): the same
+    bytes, reordered. `out`: the [rows, row_bytes] uint8 tensor to write (new by default)."""
+    if not can_interleave(part):
+        raise ValueError("only whole Q4_0, Q4_1 or Q8_0 rows, a multiple of 16, interleave")
+    kind, data, index = part
+    rows = index.numel() if index is not None else data.shape[0]
+    out = torch.empty(rows, data.shape[1], dtype=torch.uint8) if out is None else out
+    _library().infire_repack_rows16(
+        kind, rows, ctypes.c_long(data.shape[1]), _ptr(data.data_ptr()),
+        ctypes.c_long(data.stride(0)), None if index is None else _ptr(index.data_ptr()),
+        _ptr(out.data_ptr()),
+    )  # fmt: skip
+    return kind, out, None
+
+
+def _library() -> ctypes.CDLL:
+    lib = load_library()
+    if isinstance(lib, str):
+        raise RuntimeError(lib)
+    return lib
 
 
 # A weight as a GGUF file stores it: GGML type id, [rows, row_bytes] uint8 blocks, and
@@ -192,9 +239,7 @@ def gguf_blocks_reason(config: ModelConfig, names: list[str], blocks: Blocks) ->
 
 def dequantize_rows(weight: QuantWeight, first: int, count: int, cols: int) -> torch.Tensor:
     """Rows [first, first + count) of a QuantWeight decoded by the kernel, as float32."""
-    lib = load_library()
-    if isinstance(lib, str):
-        raise RuntimeError(lib)
+    lib = _library()
     out = torch.empty(count, cols)
     lib.infire_dequantize_rows(ctypes.byref(weight), first, count, cols, _ptr(out.data_ptr()))
     return out
@@ -202,9 +247,7 @@ def dequantize_rows(weight: QuantWeight, first: int, count: int, cols: int) -> t
 
 def dequantize_gather(weight: QuantWeight, ids: torch.Tensor, cols: int) -> torch.Tensor:
     """Rows `ids` (int64) of a QuantWeight decoded by the kernel, as float32 [len(ids), cols]."""
-    lib = load_library()
-    if isinstance(lib, str):
-        raise RuntimeError(lib)
+    lib = _library()
     ids = ids.to(torch.int64).contiguous()
     out = torch.empty(ids.numel(), cols)
     lib.infire_dequantize_gather(ctypes.byref(weight), _ptr(ids.data_ptr()), ids.numel(), cols,
@@ -220,18 +263,14 @@ QUANT_ISAS = {1: "avx2", 2: "avx512-vnni", 3: "avx-vnni"}
 def quant_isa(wanted: str | None = None) -> str:
     """The instruction set of the GGUF products ("avx2", "avx512-vnni" or "avx-vnni"): the
     best this CPU has, or `wanted` where it has that (for tests and benchmarks)."""
-    lib = load_library()
-    if isinstance(lib, str):
-        raise RuntimeError(lib)
+    lib = _library()
     code = {name: number for number, name in QUANT_ISAS.items()}.get(wanted or "", 0)
     return QUANT_ISAS[lib.infire_quant_isa(code)]
 
 
 def quant_linear(weight: QuantWeight, x: torch.Tensor) -> torch.Tensor:
     """x [n, cols] float32 times a QuantWeight's transpose, through the forward's kernel."""
-    lib = load_library()
-    if isinstance(lib, str):
-        raise RuntimeError(lib)
+    lib = _library()
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], weight.rows)
     lib.infire_quant_linear(ctypes.byref(weight), _ptr(x.data_ptr()), x.shape[0], x.shape[1],
@@ -242,7 +281,12 @@ def quant_linear(weight: QuantWeight, x: torch.Tensor) -> torch.Tensor:
 @cache
 def load_library() -> ctypes.CDLL | str:
     """The compiled kernel library, or why it is unavailable (compiled on first call)."""
-    lib = compile_library(SOURCE, tuple(CFLAGS))
+    return declare(compile_library(SOURCE, tuple(CFLAGS)))
+
+
+def declare(lib: ctypes.CDLL | str) -> ctypes.CDLL | str:
+    """A build of cpu_forward.c with its functions' return types declared (a reason string
+    passes through)."""
     if isinstance(lib, str):
         return lib
     lib.infire_forward.restype = ctypes.c_int
@@ -356,7 +400,11 @@ class CpuForward:
     Holds its own tiled copies of the weights (the PyTorch model keeps its own for the
     work this does not take: fp32 prefill, where oneDNN's GEMM is faster). With `palette`
     (bf16 only) the matmul weights and the embedding are held in Unweight's palette form
-    instead, 12 bits a weight plus the chunks that need verbatim exponents.
+    instead, 12 bits a weight plus the chunks that need verbatim exponents. With `blocks`
+    they are held as GGUF blocks: where the CPU has AVX512-VNNI, the parts that can are
+    copied once into groups of 16 rows (interleave_rows), and `release(name)` drops the
+    file's pages of each copied tensor from the process (again once all are copied: a
+    later read of a neighbour may have mapped some back).
     """
 
     def __init__(
@@ -366,6 +414,7 @@ class CpuForward:
         kv_cache: torch.Tensor,
         palette: bool,
         blocks: Blocks | None = None,
+        release: Callable[[str], None] | None = None,
     ) -> None:
         self.lib = lib
         config: ModelConfig = model.config
@@ -396,13 +445,23 @@ class CpuForward:
             return (_ptr * len(tensors))(*(ptr(t) for t in tensors))
 
         quant: list[QuantWeight] = []
+        group = self.quantized and interleaves()
+        copied: list[str] = []  # tensors held as interleaved copies
 
         def weight(w: torch.Tensor | list[str]) -> int | None:
             """A matmul weight in the kernel's form: tiled, a PaletteWeight, or (given the
             names of its row parts) a QuantWeight of their GGUF blocks."""
             if isinstance(w, list):
                 parts = [blocks(name) for name in w]
-                quant.append(QuantWeight(parts))
+                grouped = [group and can_interleave(part) for part in parts]
+                parts = [
+                    interleave_rows(p) if g else p for p, g in zip(parts, grouped, strict=True)
+                ]
+                for name in (name for name, g in zip(w, grouped, strict=True) if g):
+                    copied.append(name)
+                    if release is not None:
+                        release(name)
+                quant.append(QuantWeight(parts, grouped))
                 keep.extend(quant[-1].tensors)
                 return ctypes.addressof(quant[-1])
             if not self.palette:
@@ -513,6 +572,9 @@ class CpuForward:
         self._keep = [*keep, kv_cache]
         self._structs = structs
         self._quant = quant
+        self.interleaved = len(copied)  # tensors held in groups of 16 rows
+        for name in copied if release is not None else ():
+            release(name)
         # bytes of the weights this forward holds (each storage once)
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in keep}
         self.weight_bytes = sum(storages.values())
@@ -526,17 +588,19 @@ class CpuForward:
         dtype: torch.dtype,
         palette: bool = False,
         blocks: Blocks | None = None,
+        release: Callable[[str], None] | None = None,
     ) -> CpuForward | str:
         """A fused forward for this model and pool (with `palette`, bf16 weights held in the
-        palette form; with `blocks`, the matmul weights and embedding held as GGUF blocks),
-        or the reason there cannot be one."""
+        palette form; with `blocks`, the matmul weights and embedding held as GGUF blocks,
+        `release` dropping a copied tensor's file pages), or the reason there cannot be
+        one."""
         reason = unsupported_reason(model.config, dtype, kv_cache.device)
         if reason is not None:
             return reason
         lib = load_library()
         if isinstance(lib, str):
             return lib
-        return cls(lib, model, kv_cache, palette, blocks)
+        return cls(lib, model, kv_cache, palette, blocks, release)
 
     def forward(
         self,

@@ -515,6 +515,11 @@ class GGUFSource(WeightSource):
             return self._config.num_key_value_heads
         return 0
 
+    def release_blocks(self, name: str) -> None:
+        """Drop the file pages of tensor `name` from this process: its blocks were copied
+        (a later read of them faults the pages back in)."""
+        self._release(self._tensors[name])
+
     def _release(self, tensor: ReaderTensor) -> None:
         """Drop the file pages of `tensor` from this process (they stay in the page cache)."""
         mapping = self._mapping
