@@ -50,9 +50,23 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 PEER_PYTHON = ROOT / ".bench-venv" / "bin" / "python"
 THREADS = 2
-# infire with the CPU's best products (AVX512-VNNI here), and with AVX2's: the llama.cpp
-# build in .bench-venv is AVX2-only (docs/benchmarks.md), so the second compares like ISAs
-ENGINES = {"infire": None, "infire (AVX2)": "avx2"}
+# infire with the CPU's best products; with the rows where the file maps them
+# (INFIRE_NO_REPACK=1), to show what the groups of 16 rows bring; and where the CPU has
+# more than AVX2, with AVX2's products: the llama.cpp build in .bench-venv is AVX2-only
+# (docs/benchmarks.md), so that row compares like instruction sets. Name -> (products,
+# repack).
+ALL_ENGINES = {"infire": (None, True), "infire (no repack)": (None, False),
+               "infire (AVX2)": ("avx2", True)}  # fmt: skip
+
+
+def engines() -> dict[str, tuple[str | None, bool]]:
+    """The infire rows this CPU gives (AVX2 apart only where the best is another)."""
+    from infire.kernels.cpu_forward import quant_isa
+
+    best = quant_isa()
+    return {k: v for k, v in ALL_ENGINES.items() if k != "infire (AVX2)" or best != "avx2"}
+
+
 PROMPT, DECODE, PREFILL, BATCH, BATCH_TOKENS = 16, 128, 512, 32, 64
 SHAPE = {"layers": 32, "hidden": 1024, "heads": 16, "kv_heads": 4, "intermediate": 4096}
 
@@ -74,7 +88,10 @@ def _prompts(count: int, length: int, vocab: int) -> list[list[int]]:
 # --- the engines, each run in a child process ----------------------------------------
 
 
-def run_infire(path: str, sizes: dict, isa: str | None = None) -> dict:
+def run_infire(path: str, sizes: dict, isa: str | None = None, repack: bool = True) -> dict:
+    import os
+
+    os.environ["INFIRE_NO_REPACK"] = "0" if repack else "1"
     from infire import LLM, SamplingParams
     from infire.kernels.cpu_forward import quant_isa
 
@@ -244,12 +261,16 @@ def read_bandwidth() -> float:
 
 def int8_peaks() -> dict[str, float]:
     """Int8 products a second (2 ops each) of each instruction mix in int8_peak.c, on
-    THREADS threads."""
+    THREADS threads; none on a CPU without AVX512-VNNI (the loops are written in it)."""
     import ctypes
 
     import torch
 
+    from infire.kernels.cpu_forward import quant_isa
     from infire.native import compile_library
+
+    if quant_isa() != "avx512-vnni":
+        return {}
 
     torch.set_num_threads(THREADS)
     lib = compile_library(Path(__file__).with_name("int8_peak.c"),
@@ -331,7 +352,7 @@ def main() -> None:
         if engine == "llama.cpp":
             print(json.dumps(run_llamacpp(path, json.loads(sizes))))
         else:
-            print(json.dumps(run_infire(path, json.loads(sizes), ENGINES[engine])))
+            print(json.dumps(run_infire(path, json.loads(sizes), *ALL_ENGINES[engine])))
         return
     sys.path.insert(0, str(Path(__file__).parent))
     import gguf
@@ -341,6 +362,7 @@ def main() -> None:
     from infire.models.gguf import load_gguf
     from infire.models.loader import default_model_path
 
+    ENGINES = engines()
     sizes = {"prompt": PROMPT, "decode": DECODE, "prefill": PREFILL, "batch": BATCH,
              "batch_tokens": BATCH_TOKENS}  # fmt: skip
     files = {"SmolLM2-135M Q4_1": default_model_path()}
@@ -362,7 +384,9 @@ def main() -> None:
         ops = batch_ops(weights, sizes)
         row["ceiling"] = {
             "batch_ops": ops, "mix": mix, "type": kind,
-            "peak_tok_s": sizes["batch"] * sizes["batch_tokens"] / (ops / peaks[mix]),
+            "peak_tok_s": sizes["batch"] * sizes["batch_tokens"] / (ops / peaks[mix])
+            if mix in peaks
+            else None,
             "kernel_gops": kernel_rate(kind, SHAPE["hidden"]) / 1e9,
         }  # fmt: skip
         runs = [(name, sys.executable) for name in ENGINES] + [("llama.cpp", str(PEER_PYTHON))]
@@ -380,8 +404,9 @@ def main() -> None:
     for label, row in results["files"].items():
         c = row["ceiling"]
         needed = 3 * row["llama.cpp"]["batch"]
+        ceiling = "not measured" if c["peak_tok_s"] is None else f"<= {c['peak_tok_s']:.0f} tok/s"
         print(f"{label}: batch-32 {c['batch_ops'] / 1e12:.2f} Tops; at the {c['mix']} peak "
-              f"<= {c['peak_tok_s']:.0f} tok/s (3x llama.cpp: {needed:.0f}); infire's kernel "
+              f"{ceiling} (3x llama.cpp: {needed:.0f}); infire's kernel "
               f"{c['kernel_gops']:.0f} GOP/s in cache")  # fmt: skip
     print()
     print(
@@ -399,10 +424,10 @@ def main() -> None:
             print(f"| {label} | **{engine} / llama.cpp** | {a['decode'] / b['decode']:.2f}x | "
                   f"{a['prefill'] / b['prefill']:.2f}x | {a['batch'] / b['batch']:.2f}x | "
                   f"{a['rss'] / b['rss']:.2f}x | |")  # fmt: skip
-    plot(results, save)
+    plot(results, list(ENGINES), save)
 
 
-def plot(results: dict, save: object) -> None:
+def plot(results: dict, engine_names: list[str], save: object) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -414,10 +439,10 @@ def plot(results: dict, save: object) -> None:
                                 squeeze=False)  # fmt: skip
     for ax, (label, row) in zip(axes[0], results["files"].items(), strict=True):
         names = [name for _, name in measures]
-        width = 0.4
-        for i, engine in enumerate(ENGINES):
+        width = 0.8 / len(engine_names)
+        for i, engine in enumerate(engine_names):
             ratios = [row[engine][k] / row["llama.cpp"][k] for k, _ in measures]
-            at = [j + (i - 0.5) * width for j in range(len(names))]
+            at = [j + (i - (len(engine_names) - 1) / 2) * width for j in range(len(names))]
             ax.bar(at, ratios, width, label=engine, color=f"C{i}")
             for x, value in zip(at, ratios, strict=True):
                 ax.text(x, value, f"{value:.2f}", ha="center", va="bottom", fontsize=7)

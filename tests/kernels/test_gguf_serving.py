@@ -25,7 +25,7 @@ from gguf_writer import (
 )
 from greedy_verdicts import compare_greedy
 from infire import LLM, SamplingParams
-from infire.kernels.cpu_forward import available, quant_isa
+from infire.kernels.cpu_forward import available
 from infire.models.loader import default_model_path
 from tiny_models import write_tiny_model
 
@@ -127,12 +127,8 @@ def test_smollm2_q4_1_greedy_against_the_dequantized_fp32_path(record_property) 
 MEMORY_PROBE = """
 import json, sys
 import psutil
-if sys.argv[3] == "emulated":  # the AVX512-VNNI path, rows copied into groups of 16
-    sys.path.insert(0, sys.argv[4])
-    from emulated import emulated_library
-    from infire.kernels import cpu_forward
-    cpu_forward.load_library = emulated_library
-    cpu_forward.quant_isa("avx512-vnni")
+import os
+os.environ["INFIRE_NO_REPACK"] = "1" if sys.argv[3] == "file" else "0"
 from infire import LLM, SamplingParams
 from infire.models.gguf import load_gguf_tokenizer
 from infire.models.loader import default_model_path
@@ -157,40 +153,38 @@ print(json.dumps({"tokenizer": with_tokenizer - base, "before": with_tokenizer, 
 """
 
 
-@pytest.mark.parametrize("rows", ["as in the file", "in groups of 16"])
+@pytest.mark.parametrize("rows", ["file", "groups"], ids=["as in the file", "in groups of 16"])
 def test_smollm2_served_as_blocks_takes_the_file_and_its_kv(rows: str) -> None:
     """Resident memory of a served model above the process's baseline (after imports,
     before the load) is at most the file + the KV reservation + 10%, plus the tokenizer
     (its vocabulary and merges, rebuilt from the file's metadata: measured alone in the
     same process) and the runtime's tables (RoPE cos/sin for every position, the
     sampler's penalty rows). The load never goes above what it keeps by more than one
-    tensor. Rows copied into groups of 16 (AVX512-VNNI's layout, emulated where the CPU
-    lacks it) take the place of the file's pages. The process's RssAnon and RssFile are
-    in the message."""
-    grouped, native_groups = rows == "in groups of 16", native("avx512-vnni")
-    if grouped and native_groups:
-        pytest.skip("this CPU has AVX512-VNNI: the other case's rows are in groups of 16")
-    mode = "emulated" if grouped else "native"
+    tensor. Rows copied into groups of 16 take the place of the file's pages; the
+    process's RssAnon and RssFile are in the message."""
     kv = 64 << 20
-    tests = str(Path(__file__).parents[1])
-    out = subprocess.run([sys.executable, "-c", MEMORY_PROBE, "bfloat16", str(kv), mode, tests],
+    out = subprocess.run([sys.executable, "-c", MEMORY_PROBE, "bfloat16", str(kv), rows],
                          capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
     probe = json.loads(out.stdout.strip().splitlines()[-1])
     assert "GGUF blocks" in probe["status"]
-    assert ("groups of 16 rows" in probe["status"]) == (grouped or native_groups)
+    assert ("groups of 16 rows" in probe["status"]) == (rows != "file")
     file_bytes = default_model_path().stat().st_size
     grown = probe["served"] - probe["before"]
     assert grown <= 1.1 * (file_bytes + kv) + probe["tokenizer"] + probe["tables"], probe
     assert probe["peak"] <= probe["loaded"] + 49152 * 576 * 4, probe  # the embedding, fp32
 
 
+@pytest.mark.parametrize("products", ["this CPU's", "AVX512-VNNI"])
 def test_smollm2_rows_in_groups_of_16_give_the_same_tokens_in_any_batch(
-    monkeypatch: pytest.MonkeyPatch,
+    products: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With AVX512-VNNI (emulated where the CPU lacks it) the Q4_1/Q8_0 rows are copied
-    into groups of 16: greedy tokens against the dequantized fp32 path under the same
-    rule, and each prompt's tokens the same alone as in a batch."""
-    if not native("avx512-vnni"):
+    """The Q4_1/Q8_0 rows copied into groups of 16, multiplied by this CPU's products and
+    by AVX512-VNNI's (emulated where the CPU lacks them): greedy tokens against the
+    dequantized fp32 path under the same rule, and each prompt's tokens the same alone
+    as in a batch. INFIRE_NO_REPACK=1 keeps the rows as in the file."""
+    if products == "AVX512-VNNI":
+        if native("avx512-vnni"):
+            pytest.skip("this CPU runs AVX512-VNNI's products itself: the case before")
         use_emulated(monkeypatch, "avx512-vnni")
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there"]
     got, status = _greedy(None, "auto", prompts, 24)
@@ -198,8 +192,5 @@ def test_smollm2_rows_in_groups_of_16_give_the_same_tokens_in_any_batch(
     print("per prompt:", compare_greedy(got, _greedy(None, "none", prompts, 24)[0]))
     alone = [_greedy(None, "auto", [p], 24)[0][0].token_ids for p in prompts[1:]]
     assert alone == [o.token_ids for o in got[1:]]
-    quant_isa("avx2")  # products chosen by hand: the rows stay as in the file
-    try:
-        assert "groups of 16" not in _greedy(None, "auto", prompts[:1], 2)[1]
-    finally:
-        quant_isa()
+    monkeypatch.setenv("INFIRE_NO_REPACK", "1")
+    assert "groups of 16" not in _greedy(None, "auto", prompts[:1], 2)[1]

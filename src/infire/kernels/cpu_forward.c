@@ -1165,7 +1165,8 @@ static inline AVX512 __attribute__((always_inline)) void rows16_typed(
         for (int j = 0; j < G_TOKENS; j++) acc[j] = _mm512_setzero_ps();
         for (int b = 0; b < blocks; b++) {
             const uint8_t *blk = group + b * size;
-            for (long o = 0; o < size; o += 64) _mm_prefetch((const char *)blk + GROUP_AHEAD + o, _MM_HINT_T0);
+            if (t0 == 0) /* later tokens find the group in cache */
+                for (long o = 0; o < size; o += 64) _mm_prefetch((const char *)blk + GROUP_AHEAD + o, _MM_HINT_T0);
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
             const __m512 off = type == GGML_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
                                                  : _mm512_mul_ps(d, _mm512_set1_ps(four ? -8.0f : -128.0f));
@@ -1202,11 +1203,97 @@ static inline AVX512 __attribute__((always_inline)) void rows16_typed(
     }
 }
 
-static AVX512 void rows16_dots(int type, const uint8_t *group, int nt, const QuantX *x,
-                               float *out) {
+static AVX512 void rows16_dots512(int type, const uint8_t *group, int nt, const QuantX *x,
+                                  float *out) {
     if (type == GGML_Q4_0) rows16_typed(GGML_Q4_0, group, nt, x, out);
     else if (type == GGML_Q4_1) rows16_typed(GGML_Q4_1, group, nt, x, out);
     else rows16_typed(GGML_Q8_0, group, nt, x, out);
+}
+
+#define G2_TOKENS 2 /* tokens whose sums stay in registers in the 256-bit group kernel */
+
+/* The same with 256-bit vectors (AVX2, and the 256-bit VNNI ISAs): a group's 64-byte
+ * vectors taken as two halves of 8 rows. Q4_0 and Q4_1's 8 `vpmaddubsw` per block (pair
+ * sums of codes 0..15 times activations |q| <= 127: at most 3810) add up in 16 bits (at
+ * most 30480) before one `vpmaddwd` widens them. Q8_0's codes are turned back to signed
+ * and meet the activations as |w| and q with w's sign (pair sums <= 32512, widened one by
+ * one), so its offset is 0. Per (row, token) the operations are fixed, whatever the
+ * batch. */
+static inline __attribute__((always_inline)) void rows16_avx2_typed(
+    const int type, const uint8_t *group, int nt, const QuantX *x, float *out) {
+    const int cols = x->cols, blocks = cols / QX_BLOCK, qs = q_stride(cols), xs = x_stride(cols);
+    const long size = GROUP_ROWS * value_offset(type, QX_BLOCK);
+    const int four = type != GGML_Q8_0, sb = group_scale_bytes(type);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int t0 = 0; t0 < nt; t0 += G2_TOKENS) {
+        const int count = nt - t0 < G2_TOKENS ? nt - t0 : G2_TOKENS;
+        __m256 acc[2][G2_TOKENS];
+        for (int h = 0; h < 2; h++)
+            for (int j = 0; j < G2_TOKENS; j++) acc[h][j] = _mm256_setzero_ps();
+        for (int b = 0; b < blocks; b++) {
+            const uint8_t *blk = group + b * size;
+            if (t0 == 0) /* later tokens find the group in cache */
+                for (long o = 0; o < size; o += 64) _mm_prefetch((const char *)blk + GROUP_AHEAD + o, _MM_HINT_T0);
+            for (int h = 0; h < 2; h++) {
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
+                __m256 off = _mm256_setzero_ps();
+                if (type == GGML_Q4_1) off = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)));
+                if (type == GGML_Q4_0) off = _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+                const uint8_t *codes = blk + GROUP_ROWS * sb + 32 * h;
+                __m256i u[8];
+                int col[8]; /* the first of the 4 values each vector's lanes hold */
+                for (int k = 0; k < 4 + 4 * !four; k++) {
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(codes + 64 * k));
+                    if (four) {
+                        u[k] = _mm256_and_si256(v, low4);
+                        u[k + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                        col[k] = 4 * k, col[k + 4] = 16 + 4 * k;
+                    } else
+                        u[k] = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)), col[k] = 4 * k;
+                }
+                for (int j = 0; j < G2_TOKENS; j++) {
+                    if (j >= count) break;
+                    const long t = t0 + j;
+                    const int8_t *q = x->q + t * qs + QX_BLOCK * b;
+                    __m256i dot;
+                    if (four) {
+                        __m256i s = _mm256_setzero_si256();
+                        for (int k = 0; k < 8; k++) {
+                            int32_t a;
+                            memcpy(&a, q + col[k], 4);
+                            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u[k], _mm256_set1_epi32(a)));
+                        }
+                        dot = _mm256_madd_epi16(s, ones);
+                    } else {
+                        __m256i d0 = _mm256_setzero_si256(), d1 = d0;
+                        for (int k = 0; k < 8; k += 2) {
+                            int32_t a, c;
+                            memcpy(&a, q + col[k], 4);
+                            memcpy(&c, q + col[k + 1], 4);
+                            __m256i p0 = _mm256_maddubs_epi16(_mm256_sign_epi8(u[k], u[k]),
+                                                              _mm256_sign_epi8(_mm256_set1_epi32(a), u[k]));
+                            __m256i p1 = _mm256_maddubs_epi16(_mm256_sign_epi8(u[k + 1], u[k + 1]),
+                                                              _mm256_sign_epi8(_mm256_set1_epi32(c), u[k + 1]));
+                            d0 = _mm256_add_epi32(d0, _mm256_madd_epi16(p0, ones));
+                            d1 = _mm256_add_epi32(d1, _mm256_madd_epi16(p1, ones));
+                        }
+                        dot = _mm256_add_epi32(d0, d1);
+                    }
+                    const __m256 p = _mm256_cvtepi32_ps(dot);
+                    acc[h][j] = _mm256_fmadd_ps(p, _mm256_mul_ps(d, _mm256_set1_ps(x->scale[t * xs + 2 * b])), acc[h][j]);
+                    if (four) acc[h][j] = _mm256_fmadd_ps(off, _mm256_set1_ps(x->xblock[t * blocks + b]), acc[h][j]);
+                }
+            }
+        }
+        for (int j = 0; j < count; j++)
+            for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + (long)(t0 + j) * GROUP_ROWS + 8 * h, acc[h][j]);
+    }
+}
+
+static void rows16_dots256(int type, const uint8_t *group, int nt, const QuantX *x, float *out) {
+    if (type == GGML_Q4_0) rows16_avx2_typed(GGML_Q4_0, group, nt, x, out);
+    else if (type == GGML_Q4_1) rows16_avx2_typed(GGML_Q4_1, group, nt, x, out);
+    else rows16_avx2_typed(GGML_Q8_0, group, nt, x, out);
 }
 
 /* Each type's loop compiled on its own (the type a constant in it). */
@@ -1347,6 +1434,21 @@ static int unit_at_bytes(const QuantWeight *w, long share) {
     return units;
 }
 
+/* y[t0 + t, row + i] (+)= out[t * 16 + i] (+ bias[row + i]) for nt tokens and a group's
+ * 16 rows, a token's 16 in two vectors. */
+static inline void store_group(float *y, int ldy, int accumulate, const float *bias, int row,
+                               int t0, int nt, const float *out) {
+    for (int t = 0; t < nt; t++) {
+        float *yt = y + (long)(t0 + t) * ldy + row;
+        for (int h = 0; h < GROUP_ROWS; h += 8) {
+            __m256 v = _mm256_loadu_ps(out + t * GROUP_ROWS + h);
+            if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + row + h));
+            if (accumulate) v = _mm256_add_ps(_mm256_loadu_ps(yt + h), v);
+            _mm256_storeu_ps(yt + h, v);
+        }
+    }
+}
+
 /* y[t0 + t, row + i] (+)= out[t * stride + i] (+ bias[row + i]) for nt tokens, count rows. */
 static inline void store_rows(float *y, int ldy, int accumulate, const float *bias, int row,
                               int count, int t0, int nt, const float *out, int stride) {
@@ -1411,9 +1513,13 @@ static void quant_linear_impl(const QuantWeight *w, const float *bias, const flo
             for (int u = lo; u < hi; u++) {
                 const int r0 = u * unit_rows(part);
                 const int count = part->rows - r0 < unit_rows(part) ? part->rows - r0 : unit_rows(part);
-                if (part->interleaved && quant_isa == 2) {
-                    rows16_dots(part->type, part->data + (long)r0 * part->row_bytes, nt, &qx, out);
-                    store_rows(y, ldy, accumulate, bias, first_row + r0, count, t0, nt, out, GROUP_ROWS);
+                if (part->interleaved) {
+                    const uint8_t *group = part->data + (long)r0 * part->row_bytes;
+                    if (quant_isa == 2)
+                        rows16_dots512(part->type, group, nt, &qx, out);
+                    else
+                        rows16_dots256(part->type, group, nt, &qx, out);
+                    store_group(y, ldy, accumulate, bias, first_row + r0, t0, nt, out);
                     continue;
                 }
                 for (int r = 0; r < count; r += 2) {

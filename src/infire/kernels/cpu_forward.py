@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -112,15 +113,16 @@ class QuantWeight(ctypes.Structure):
         self.interleaved = interleaved
 
 
-# GGML types whose rows the AVX512-VNNI products take in groups of 16: Q4_0, Q4_1, Q8_0
+# GGML types whose rows the products take in groups of 16: Q4_0, Q4_1, Q8_0
 INTERLEAVED_TYPES = (2, 3, 8)
 GROUP_ROWS = 16
 
 
 def interleaves() -> bool:
-    """Whether the GGUF products in use take rows interleaved in groups of 16
-    (AVX512-VNNI's, the CPU's best where it has them, unless quant_isa chose others)."""
-    return _library().infire_quant_isa(-1) == 2
+    """Whether the fused forward copies the parts that can be into groups of 16 rows (the
+    products of every instruction set take them); INFIRE_NO_REPACK=1 keeps the rows where
+    the file maps them (llama.cpp's --no-repack)."""
+    return os.environ.get("INFIRE_NO_REPACK", "0") in ("", "0")
 
 
 def can_interleave(part: GGUFBlocks) -> bool:
@@ -131,6 +133,12 @@ def can_interleave(part: GGUFBlocks) -> bool:
     return kind in INTERLEAVED_TYPES and rows % GROUP_ROWS == 0 and data.stride(0) == data.shape[1]
 
 
+def _shape(part: GGUFBlocks) -> tuple[int, int]:
+    """[rows, row_bytes] of a part's blocks in row order."""
+    _, data, index = part
+    return (index.numel() if index is not None else data.shape[0]), data.shape[1]
+
+
 def interleave_rows(part: GGUFBlocks, out: torch.Tensor | None = None) -> GGUFBlocks:
     """A part's rows copied once (in the row index's order) into groups of 16 rows, the
     layout of the AVX512-VNNI products (infire_repack_rows16 in cpu_forward.c): the same
@@ -138,14 +146,41 @@ def interleave_rows(part: GGUFBlocks, out: torch.Tensor | None = None) -> GGUFBl
     if not can_interleave(part):
         raise ValueError("only whole Q4_0, Q4_1 or Q8_0 rows, a multiple of 16, interleave")
     kind, data, index = part
-    rows = index.numel() if index is not None else data.shape[0]
-    out = torch.empty(rows, data.shape[1], dtype=torch.uint8) if out is None else out
+    rows, row_bytes = _shape(part)
+    out = torch.empty(rows, row_bytes, dtype=torch.uint8) if out is None else out
     _library().infire_repack_rows16(
         kind, rows, ctypes.c_long(data.shape[1]), _ptr(data.data_ptr()),
         ctypes.c_long(data.stride(0)), None if index is None else _ptr(index.data_ptr()),
         _ptr(out.data_ptr()),
     )  # fmt: skip
     return kind, out, None
+
+
+class Arena:
+    """Memory for the interleaved copies, carved 64-byte aligned from chunks of 8 MiB
+    (a larger copy gets its own). Each chunk is its own mapping (glibc maps allocations
+    above its fixed 1 MiB threshold, native.bound_heap_retention), so the copies, a few
+    hundred KB each, do not sit in the C heap between a batch's scratch allocations,
+    where they would keep freed pages from being returned."""
+
+    CHUNK = 8 << 20
+
+    def __init__(self) -> None:
+        self.chunks: list[torch.Tensor] = []
+        self.used = self.CHUNK
+
+    def take(self, rows: int, row_bytes: int) -> torch.Tensor:
+        """An uninitialized [rows, row_bytes] uint8 tensor."""
+        size = rows * row_bytes
+        if size > self.CHUNK:
+            self.chunks.append(torch.empty(size, dtype=torch.uint8))
+            return self.chunks[-1].view(rows, row_bytes)
+        if self.used + size > self.CHUNK:
+            self.chunks.append(torch.empty(self.CHUNK, dtype=torch.uint8))
+            self.used = 0
+        out = self.chunks[-1][self.used : self.used + size].view(rows, row_bytes)
+        self.used += -(-size // 64) * 64
+        return out
 
 
 def _library() -> ctypes.CDLL:
@@ -446,6 +481,7 @@ class CpuForward:
 
         quant: list[QuantWeight] = []
         group = self.quantized and interleaves()
+        arena = Arena()
         copied: list[str] = []  # tensors held as interleaved copies
 
         def weight(w: torch.Tensor | list[str]) -> int | None:
@@ -454,9 +490,8 @@ class CpuForward:
             if isinstance(w, list):
                 parts = [blocks(name) for name in w]
                 grouped = [group and can_interleave(part) for part in parts]
-                parts = [
-                    interleave_rows(p) if g else p for p, g in zip(parts, grouped, strict=True)
-                ]
+                parts = [interleave_rows(p, arena.take(*_shape(p))) if g else p
+                         for p, g in zip(parts, grouped, strict=True)]  # fmt: skip
                 for name in (name for name, g in zip(w, grouped, strict=True) if g):
                     copied.append(name)
                     if release is not None:
@@ -483,6 +518,20 @@ class CpuForward:
                 *(None if w is None else weight(w) for w in layer_weights)
             )
 
+        # the head first: its copy (the largest) is made while no other copy is held,
+        # so the load's peak is the final size plus one of the layers' tensors
+        tied = model.lm_head.weight is model.embed_tokens.weight
+        if self.quantized:  # tokens are embedded from their row of blocks
+            lm_head = weight(["model.embed_tokens.weight" if tied else "lm_head.weight"])
+            embed = lm_head if tied else weight(["model.embed_tokens.weight"])
+        else:
+            lm_head = weight(model.lm_head.weight)
+            if not self.palette:
+                embed = ptr(model.embed_tokens.weight.data)
+            elif tied:  # tokens are embedded from the lm_head's palette tiles
+                embed = lm_head
+            else:
+                embed = weight(model.embed_tokens.weight)
         attn = [layer.self_attn for layer in layers]
         mlp = [layer.mlp for layer in layers]
         moe = [getattr(m, "experts", None) for m in mlp]  # Mixtral's SparseMoeBlock
@@ -548,18 +597,6 @@ class CpuForward:
             array([fp32(a.k_norm.weight) for a in attn]) if attn[0].k_norm is not None else None,
         ]
         self._norm_arrays = qk_norms
-        tied = model.lm_head.weight is model.embed_tokens.weight
-        if quantized:  # tokens are embedded from their row of blocks
-            lm_head = weight(["model.embed_tokens.weight" if tied else "lm_head.weight"])
-            embed = lm_head if tied else weight(["model.embed_tokens.weight"])
-        else:
-            lm_head = weight(model.lm_head.weight)
-            if not self.palette:
-                embed = ptr(model.embed_tokens.weight.data)
-            elif tied:  # tokens are embedded from the lm_head's palette tiles
-                embed = lm_head
-            else:
-                embed = weight(model.embed_tokens.weight)
         self.struct = _Model(
             config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
             config.num_key_value_heads, config.head_dim, config.intermediate_size,
