@@ -214,48 +214,50 @@ def test_the_vnni_products_equal_avx2s_bit_for_bit(
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K], ids=lambda t: t.name)
 def test_rows_interleaved_in_groups_of_16_hold_the_same_blocks(qtype: T, isa: str) -> None:
-    """A part copied into groups of 16 rows (AVX512-VNNI's layout; read through its row
-    index, as q/k are) takes the same bytes, decodes to the reference bit for bit, and
-    multiplies as the plain blocks do, within the same tolerance and whatever the batch,
-    next to a plain part of an odd number of rows of another type. On other instruction
-    sets the rows are rebuilt from their groups."""
+    """A part copied into groups of 16 rows (read through its row index, as q/k are) takes
+    the same bytes, decodes to the reference bit for bit, and multiplies as the plain
+    blocks do, within the same tolerance and whatever the batch, next to a plain part of
+    an odd number of rows of another type. The forward leaves Q4_K's rows as they are
+    where AVX512-VNNI's products are in use; they multiply in groups all the same."""
     rng = np.random.default_rng(200 + int(qtype))
-    values = (rng.standard_normal((48, 800)) * 0.1).astype(np.float32)  # 3 groups, 25 blocks
+    cols, block = (768, 256) if qtype in K_QUANTS else (800, 32)
+    values = (rng.standard_normal((48, cols)) * 0.1).astype(np.float32)  # 3 groups
     packed = blocks(values, qtype)
     index = rng.permutation(len(values)).astype(np.int32)
     stored = np.empty_like(packed)
     stored[index] = packed
     part = (int(qtype), torch.from_numpy(stored), torch.from_numpy(index))
-    assert can_interleave(part)
+    assert can_interleave(part) == (qtype != T.Q4_K or isa != "avx512-vnni")
     grouped = interleave_rows(part)
     assert grouped[1].shape == stored.shape and grouped[2] is None
     assert not np.array_equal(grouped[1].numpy(), packed)  # reordered
-    tail = (rng.standard_normal((5, 800)) * 0.1).astype(np.float32)
+    tail = (rng.standard_normal((5, cols)) * 0.1).astype(np.float32)
     w = QuantWeight([grouped, (int(T.Q5_0), torch.from_numpy(blocks(tail, T.Q5_0)), None)],
                     [True, False])  # fmt: skip
     reference = np.concatenate(
         [dequantize(packed, qtype).reshape(values.shape), weight(tail, T.Q5_0)[1]]
-    ).astype(np.float32)
-    assert np.array_equal(dequantize_rows(w, 0, 53, 800).numpy(), reference)
-    x = rng.standard_normal((37, 800)).astype(np.float32)
+    ).astype(np.float64)
+    assert np.array_equal(dequantize_rows(w, 0, 53, cols).numpy(), reference.astype(np.float32))
+    x = rng.standard_normal((37, cols)).astype(np.float32)
     y = quant_linear(w, torch.from_numpy(x)).numpy()
-    xs = quantized_activations(x, 32)
-    exact = xs @ reference.astype(np.float64).T
-    bound = TOLERANCE * (np.abs(xs) @ np.abs(reference.astype(np.float64)).T) + 1e-30
-    assert np.all(np.abs(y - exact) <= bound), np.abs(y - exact).max()
+    for rows, size in ((slice(0, 48), block), (slice(48, 53), 32)):
+        xs = quantized_activations(x, size)
+        exact = xs @ reference[rows].T
+        bound = TOLERANCE * (np.abs(xs) @ np.abs(reference[rows]).T) + 1e-30
+        assert np.all(np.abs(y[:, rows] - exact) <= bound), np.abs(y[:, rows] - exact).max()
     for n in (1, 2, 9, 33):
         assert np.array_equal(quant_linear(w, torch.from_numpy(x[:n])).numpy(), y[:n])
 
 
-def test_only_whole_legacy_rows_in_sixteens_interleave() -> None:
+def test_only_whole_rows_in_sixteens_of_some_types_interleave() -> None:
     rng = np.random.default_rng(5)
     values = (rng.standard_normal((32, 512)) * 0.1).astype(np.float32)
     q4 = (int(T.Q4_0), torch.from_numpy(blocks(values, T.Q4_0)), None)
     assert can_interleave(q4)
     assert not can_interleave(block_rows(q4, 0, 24))  # 24 rows
     assert not can_interleave(block_columns(q4, 0, 256))  # a tensor-parallel rank's columns
-    assert not can_interleave((int(T.Q4_K), torch.from_numpy(blocks(values, T.Q4_K)), None))
+    assert not can_interleave((int(T.Q5_K), torch.from_numpy(blocks(values, T.Q5_K)), None))
     with pytest.raises(ValueError, match="multiple of 16"):
         interleave_rows(block_rows(q4, 0, 24))

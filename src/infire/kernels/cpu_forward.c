@@ -639,26 +639,57 @@ static inline __attribute__((always_inline)) void prefetch_rows(
 
 static inline int group_scale_bytes(int type) { return type == GGML_Q4_1 ? 4 : 2; }
 
-/* Exported: `rows` rows (a multiple of 16) of a Q4_0, Q4_1 or Q8_0 part, row r read at
- * src + (row_index ? row_index[r] : r) * row_stride, into groups of 16 at dst (rows *
- * row_bytes bytes). */
+/* A block of a type that interleaves, as a group stores it: its 2-byte fields (scales, mins)
+ * first, each as the 16 rows' in a row (32 bytes), then its runs of bytes, each 4 of a row
+ * at a time (16 x len bytes). Q4_K: d, dmin, the 12 bytes of 6-bit scales and mins, the
+ * 128 bytes of codes; Q6_K: d, the 16 scales, ql, qh. Returns the number of runs. */
+typedef struct {
+    int halves, runs, half_at[2], run_at[3], run_len[3];
+} GroupLayout;
+
+static GroupLayout group_layout(int type) {
+    switch (type) {
+    case GGML_Q4_0: return (GroupLayout){1, 1, {0}, {2}, {16}};
+    case GGML_Q4_1: return (GroupLayout){2, 1, {0, 2}, {4}, {16}};
+    case GGML_Q8_0: return (GroupLayout){1, 1, {0}, {2}, {32}};
+    case GGML_Q4_K: return (GroupLayout){2, 2, {0, 2}, {4, 16}, {12, 128}};
+    default: return (GroupLayout){1, 3, {208}, {192, 0, 128}, {16, 128, 64}}; /* Q6_K */
+    }
+}
+
+static inline long block_bytes(int type) {
+    return value_offset(type, is_k_quant(type) ? QK_BLOCK : QX_BLOCK);
+}
+
+/* Row i of a group's block `out` <-> the file's block `blk` (to_group: which way). Q8_0's
+ * codes are stored + 128. */
+static inline void group_block_row(int type, uint8_t *blk, uint8_t *out, int i, int to_group) {
+    const GroupLayout l = group_layout(type);
+    const uint8_t flip = type == GGML_Q8_0 ? 0x80 : 0;
+    int o = 0;
+    for (int f = 0; f < l.halves; f++, o += 2 * GROUP_ROWS)
+        to_group ? memcpy(out + o + 2 * i, blk + l.half_at[f], 2) : memcpy(blk + l.half_at[f], out + o + 2 * i, 2);
+    for (int r = 0; r < l.runs; o += GROUP_ROWS * l.run_len[r], r++)
+        for (int j = 0; j < l.run_len[r]; j++) {
+            uint8_t *g = out + o + 64 * (j / 4) + 4 * i + j % 4, *f = blk + l.run_at[r] + j;
+            if (to_group) *g = *f ^ flip;
+            else *f = *g ^ flip;
+        }
+}
+
+/* Exported: `rows` rows (a multiple of 16) of a Q4_0, Q4_1, Q8_0, Q4_K or Q6_K part, row r
+ * read at src + (row_index ? row_index[r] : r) * row_stride, into groups of 16 at dst
+ * (rows * row_bytes bytes). */
 void infire_repack_rows16(int type, int rows, long row_bytes, const uint8_t *src,
                           long row_stride, const int32_t *row_index, uint8_t *dst) {
-    const long size = value_offset(type, QX_BLOCK), blocks = row_bytes / size;
-    const int sb = group_scale_bytes(type), codes = (int)size - sb;
-    const uint8_t flip = type == GGML_Q8_0 ? 0x80 : 0;
+    const long size = block_bytes(type), blocks = row_bytes / size;
     for (int g = 0; g < rows / GROUP_ROWS; g++)
         for (int i = 0; i < GROUP_ROWS; i++) {
             const long r = (long)g * GROUP_ROWS + i;
             const uint8_t *row = src + (row_index ? row_index[r] : r) * row_stride;
-            for (long b = 0; b < blocks; b++) {
-                const uint8_t *blk = row + b * size;
-                uint8_t *out = dst + (long)g * GROUP_ROWS * row_bytes + b * GROUP_ROWS * size;
-                memcpy(out + 2 * i, blk, 2);
-                if (sb == 4) memcpy(out + 2 * GROUP_ROWS + 2 * i, blk + 2, 2);
-                for (int j = 0; j < codes; j++)
-                    out[GROUP_ROWS * sb + 64 * (j / 4) + 4 * i + j % 4] = blk[sb + j] ^ flip;
-            }
+            for (long b = 0; b < blocks; b++)
+                group_block_row(type, (uint8_t *)(row + b * size),
+                                dst + (long)g * GROUP_ROWS * row_bytes + b * GROUP_ROWS * size, i, 1);
         }
 }
 
@@ -666,19 +697,11 @@ void infire_repack_rows16(int type, int rows, long row_bytes, const uint8_t *src
  * (row_bytes) from its group. */
 static const uint8_t *plain_row(const QuantPart *p, long at, uint8_t *buf) {
     if (!p->interleaved) return quant_row(p, at);
-    const int type = p->type, sb = group_scale_bytes(type);
-    const long size = value_offset(type, QX_BLOCK), blocks = p->row_bytes / size;
-    const int codes = (int)size - sb, i = (int)(at % GROUP_ROWS);
-    const uint8_t flip = type == GGML_Q8_0 ? 0x80 : 0;
+    const long size = block_bytes(p->type), blocks = p->row_bytes / size;
     const uint8_t *group = p->data + at / GROUP_ROWS * GROUP_ROWS * p->row_bytes;
-    for (long b = 0; b < blocks; b++) {
-        const uint8_t *in = group + b * GROUP_ROWS * size;
-        uint8_t *blk = buf + b * size;
-        memcpy(blk, in + 2 * i, 2);
-        if (sb == 4) memcpy(blk + 2, in + 2 * GROUP_ROWS + 2 * i, 2);
-        for (int j = 0; j < codes; j++)
-            blk[sb + j] = in[GROUP_ROWS * sb + 64 * (j / 4) + 4 * i + j % 4] ^ flip;
-    }
+    for (long b = 0; b < blocks; b++)
+        group_block_row(p->type, buf + b * size, (uint8_t *)(group + b * GROUP_ROWS * size),
+                        (int)(at % GROUP_ROWS), 0);
     return buf;
 }
 
@@ -1290,7 +1313,100 @@ static inline __attribute__((always_inline)) void rows16_avx2_typed(
     }
 }
 
+/* Byte j of each 32-bit lane (one row) in the low byte of both of its 16-bit halves (`pair`:
+ * bytes j and j + 1, one a half), zero-extended. */
+static inline __m256i lane_bytes16(__m256i v, int j, int pair) {
+    const int lo = j, hi = j + pair;
+    const __m256i lanes = _mm256_setr_epi32(0, 0x00040004, 0x00080008, 0x000C000C, 0, 0x00040004,
+                                            0x00080008, 0x000C000C);
+    return _mm256_shuffle_epi8(v, _mm256_add_epi32(lanes, _mm256_set1_epi32(lo | 0x8000 | hi << 16 | (int)0x80000000)));
+}
+
+/* Q4_K rows in groups of 16 (see group_layout) with `nt` tokens' per-256 activations, two
+ * halves of 8 rows a vector: a sub-block's 8 `vpmaddubsw` (codes 0..15, pair sums at most
+ * 3810) add up in 16 bits before `vpmaddwd` multiplies them by the rows' 6-bit scales
+ * into 32 bits; the mins meet the activations' 32-value sums in 16-bit pairs. A block's
+ * integer sums convert to float once, as in rows_dots_k_typed. */
+static inline __attribute__((always_inline)) void rows16_q4k(const uint8_t *group, int nt,
+                                                             const QuantX *x, float *out) {
+    const int cols = x->cols, blocks = cols / QK_BLOCK;
+    const long size = GROUP_ROWS * 144;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), six = _mm256_set1_epi8(0x3F);
+    const __m256i top2 = _mm256_set1_epi8(0x30);
+    for (int t0 = 0; t0 < nt; t0 += G2_TOKENS) {
+        const int count = nt - t0 < G2_TOKENS ? nt - t0 : G2_TOKENS;
+        __m256 acc[2][G2_TOKENS];
+        for (int h = 0; h < 2; h++)
+            for (int j = 0; j < G2_TOKENS; j++) acc[h][j] = _mm256_setzero_ps();
+        for (int b = 0; b < blocks; b++) {
+            const uint8_t *blk = group + b * size;
+            if (t0 == 0)
+                for (long o = 0; o < size; o += 64) _mm_prefetch((const char *)blk + GROUP_AHEAD + o, _MM_HINT_T0);
+            for (int h = 0; h < 2; h++) {
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
+                const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)));
+                const __m256i s0 = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * h));
+                const __m256i s1 = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                const __m256i s2 = _mm256_loadu_si256((const __m256i *)(blk + 192 + 32 * h));
+                /* per row: scales and mins of sub-blocks 0-3 and 4-7, a byte each */
+                const __m256i sc_lo = _mm256_and_si256(s0, six), m_lo = _mm256_and_si256(s1, six);
+                const __m256i sc_hi = _mm256_or_si256(_mm256_and_si256(s2, low4),
+                                                      _mm256_and_si256(_mm256_srli_epi32(s0, 2), top2));
+                const __m256i m_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(s2, 4), low4),
+                                                     _mm256_and_si256(_mm256_srli_epi32(s1, 2), top2));
+                const uint8_t *codes = blk + 256 + 32 * h;
+                __m256i isum[G2_TOKENS], msum[G2_TOKENS];
+                for (int j = 0; j < G2_TOKENS; j++) isum[j] = msum[j] = _mm256_setzero_si256();
+                for (int c = 0; c < 4; c++) { /* sub-blocks 2 c (low nibbles), 2 c + 1 */
+                    __m256i slo[G2_TOKENS], shi[G2_TOKENS];
+                    for (int j = 0; j < G2_TOKENS; j++) slo[j] = shi[j] = _mm256_setzero_si256();
+                    for (int k = 0; k < 8; k++) { /* a vector's codes meet each token */
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + 64 * (8 * c + k)));
+                        const __m256i lo = _mm256_and_si256(v, low4);
+                        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                        for (int j = 0; j < G2_TOKENS; j++) {
+                            if (j >= count) break;
+                            const int8_t *q = x->qk + (long)(t0 + j) * cols + QK_BLOCK * b;
+                            int32_t a, e;
+                            memcpy(&a, q + 32 * k_slot(2 * c) + 4 * k, 4);
+                            memcpy(&e, q + 32 * k_slot(2 * c + 1) + 4 * k, 4);
+                            slo[j] = _mm256_add_epi16(slo[j], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)));
+                            shi[j] = _mm256_add_epi16(shi[j], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(e)));
+                        }
+                    }
+                    const __m256i scales = c < 2 ? sc_lo : sc_hi;
+                    const __m256i sc0 = lane_bytes16(scales, (2 * c) % 4, 0);
+                    const __m256i sc1 = lane_bytes16(scales, (2 * c) % 4 + 1, 0);
+                    const __m256i mins = lane_bytes16(c < 2 ? m_lo : m_hi, (2 * c) % 4, 1);
+                    for (int j = 0; j < G2_TOKENS; j++) {
+                        if (j >= count) break;
+                        const int16_t *bs = x->bsum + (long)(t0 + j) * (cols / 16) + 16 * b;
+                        isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(slo[j], sc0));
+                        isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(shi[j], sc1));
+                        /* the mins of sub-blocks 2 c, 2 c + 1 with their activations' sums */
+                        const uint32_t pair = (uint16_t)(bs[4 * c] + bs[4 * c + 1]) |
+                                              (uint32_t)(uint16_t)(bs[4 * c + 2] + bs[4 * c + 3]) << 16;
+                        msum[j] = _mm256_add_epi32(msum[j], _mm256_madd_epi16(mins, _mm256_set1_epi32((int)pair)));
+                    }
+                }
+                for (int j = 0; j < G2_TOKENS; j++) {
+                    if (j >= count) break;
+                    const float dx = x->dk[(long)(t0 + j) * blocks + b];
+                    acc[h][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[h][j]);
+                    acc[h][j] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[j]), _mm256_mul_ps(dmin, _mm256_set1_ps(dx)), acc[h][j]);
+                }
+            }
+        }
+        for (int j = 0; j < count; j++)
+            for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + (long)(t0 + j) * GROUP_ROWS + 8 * h, acc[h][j]);
+    }
+}
+
 static void rows16_dots256(int type, const uint8_t *group, int nt, const QuantX *x, float *out) {
+    if (type == GGML_Q4_K) {
+        rows16_q4k(group, nt, x, out);
+        return;
+    }
     if (type == GGML_Q4_0) rows16_avx2_typed(GGML_Q4_0, group, nt, x, out);
     else if (type == GGML_Q4_1) rows16_avx2_typed(GGML_Q4_1, group, nt, x, out);
     else rows16_avx2_typed(GGML_Q8_0, group, nt, x, out);
@@ -1515,7 +1631,7 @@ static void quant_linear_impl(const QuantWeight *w, const float *bias, const flo
                 const int count = part->rows - r0 < unit_rows(part) ? part->rows - r0 : unit_rows(part);
                 if (part->interleaved) {
                     const uint8_t *group = part->data + (long)r0 * part->row_bytes;
-                    if (quant_isa == 2)
+                    if (quant_isa == 2 && !is_k_quant(part->type))
                         rows16_dots512(part->type, group, nt, &qx, out);
                     else
                         rows16_dots256(part->type, group, nt, &qx, out);

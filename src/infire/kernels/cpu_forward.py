@@ -113,8 +113,9 @@ class QuantWeight(ctypes.Structure):
         self.interleaved = interleaved
 
 
-# GGML types whose rows the products take in groups of 16: Q4_0, Q4_1, Q8_0
-INTERLEAVED_TYPES = (2, 3, 8)
+# GGML types whose rows the products take in groups of 16: Q4_0, Q4_1, Q8_0, and Q4_K
+# where the products in use are not AVX512-VNNI's (whose K-quant products keep the rows)
+INTERLEAVED_TYPES = (2, 3, 8, 12)
 GROUP_ROWS = 16
 
 
@@ -126,8 +127,15 @@ def interleaves() -> bool:
 
 
 def can_interleave(part: GGUFBlocks) -> bool:
-    """Whether interleave_rows takes this part: Q4_0, Q4_1 or Q8_0, whole rows (not a
-    tensor-parallel rank's column slice), a multiple of 16 of them."""
+    """Whether the forward takes this part in groups of 16 rows: Q4_0, Q4_1, Q8_0 (or Q4_K,
+    see INTERLEAVED_TYPES), whole rows (not a tensor-parallel rank's column slice), a
+    multiple of 16 of them."""
+    if part[0] == 12 and _library().infire_quant_isa(-1) == 2:
+        return False
+    return _groups_fit(part)
+
+
+def _groups_fit(part: GGUFBlocks) -> bool:
     kind, data, index = part
     rows = index.numel() if index is not None else data.shape[0]
     return kind in INTERLEAVED_TYPES and rows % GROUP_ROWS == 0 and data.stride(0) == data.shape[1]
@@ -143,8 +151,8 @@ def interleave_rows(part: GGUFBlocks, out: torch.Tensor | None = None) -> GGUFBl
     """A part's rows copied once (in the row index's order) into groups of 16 rows, the
     layout of the AVX512-VNNI products (infire_repack_rows16 in cpu_forward.c): the same
     bytes, reordered. `out`: the [rows, row_bytes] uint8 tensor to write (new by default)."""
-    if not can_interleave(part):
-        raise ValueError("only whole Q4_0, Q4_1 or Q8_0 rows, a multiple of 16, interleave")
+    if not _groups_fit(part):
+        raise ValueError("only whole Q4_0, Q4_1, Q8_0 or Q4_K rows, a multiple of 16, interleave")
     kind, data, index = part
     rows, row_bytes = _shape(part)
     out = torch.empty(rows, row_bytes, dtype=torch.uint8) if out is None else out
