@@ -642,9 +642,10 @@ static inline int group_scale_bytes(int type) { return type == GGML_Q4_1 ? 4 : 2
 /* A block of a type that interleaves, as a group stores it: its 2-byte fields (scales, mins)
  * first, each as the 16 rows' in a row (32 bytes), then its runs of bytes, each 4 of a row
  * at a time (16 x len bytes). Q4_K: d, dmin, the 12 bytes of 6-bit scales and mins, the
- * 128 bytes of codes; Q6_K: d, the 16 scales, ql, qh. Returns the number of runs. */
+ * 128 bytes of codes. (Q6_K in groups, its codes rebuilt from ql and qh in registers, ran
+ * no faster than its rows as they are: 25 GB/s either way on Zen 3.) */
 typedef struct {
-    int halves, runs, half_at[2], run_at[3], run_len[3];
+    int halves, runs, half_at[2], run_at[2], run_len[2];
 } GroupLayout;
 
 static GroupLayout group_layout(int type) {
@@ -652,8 +653,7 @@ static GroupLayout group_layout(int type) {
     case GGML_Q4_0: return (GroupLayout){1, 1, {0}, {2}, {16}};
     case GGML_Q4_1: return (GroupLayout){2, 1, {0, 2}, {4}, {16}};
     case GGML_Q8_0: return (GroupLayout){1, 1, {0}, {2}, {32}};
-    case GGML_Q4_K: return (GroupLayout){2, 2, {0, 2}, {4, 16}, {12, 128}};
-    default: return (GroupLayout){1, 3, {208}, {192, 0, 128}, {16, 128, 64}}; /* Q6_K */
+    default: return (GroupLayout){2, 2, {0, 2}, {4, 16}, {12, 128}}; /* Q4_K */
     }
 }
 
@@ -677,7 +677,7 @@ static inline void group_block_row(int type, uint8_t *blk, uint8_t *out, int i, 
         }
 }
 
-/* Exported: `rows` rows (a multiple of 16) of a Q4_0, Q4_1, Q8_0, Q4_K or Q6_K part, row r
+/* Exported: `rows` rows (a multiple of 16) of a Q4_0, Q4_1, Q8_0 or Q4_K part, row r
  * read at src + (row_index ? row_index[r] : r) * row_stride, into groups of 16 at dst
  * (rows * row_bytes bytes). */
 void infire_repack_rows16(int type, int rows, long row_bytes, const uint8_t *src,
@@ -1873,13 +1873,17 @@ static inline __m256 dot8(const float *q, const char *k, long stride, int dim, c
 
 /* One query head against its sequence's context in the pool: online softmax, one KV block
  * at a time (scores of a block, one rescale per block, vectorized exp). */
+/* `fixed_hd`: head_dim as a constant (64), so the output's accumulators stay in registers
+ * (in memory, each position's fused multiply-adds waited on the stores before them), or
+ * 0 for any head_dim. The same operations either way. */
 static inline __attribute__((always_inline)) void attend_impl(
     const InfireModel *m, int layer, const float *q, int kv_head, const int32_t *table,
-    int context, float *out, const int bf16) {
-    int hd = m->head_dim, bs = m->block_size;
+    int context, float *out, const int bf16, const int fixed_hd) {
+    const int hd = fixed_hd ? fixed_hd : m->head_dim, bs = m->block_size;
     long elem = bf16 ? 2 : 4, stride = (long)m->num_kv_heads * hd * elem;
     long head_off = (long)kv_head * hd * elem;
-    float acc[MAX_HEAD_DIM] = {0};
+    __m256 acc[MAX_HEAD_DIM / 8];
+    for (int i = 0; i < hd; i += 8) acc[i / 8] = _mm256_setzero_ps();
     float scores[bs + 8];
     float max = -INFINITY, denom = 0.0f;
     __m256 scale = _mm256_set1_ps(m->scale);
@@ -1897,7 +1901,7 @@ static inline __attribute__((always_inline)) void attend_impl(
         if (block_max > max) {
             float correction = expf(max - block_max);
             denom *= correction;
-            for (int i = 0; i < hd; i++) acc[i] *= correction;
+            for (int i = 0; i < hd; i += 8) acc[i / 8] = _mm256_mul_ps(acc[i / 8], _mm256_set1_ps(correction));
             max = block_max;
         }
         for (j = 0; j < count; j += 8)
@@ -1907,19 +1911,22 @@ static inline __attribute__((always_inline)) void attend_impl(
             denom += scores[j];
             __m256 p = _mm256_set1_ps(scores[j]);
             const char *v = values + j * stride;
-            for (int i = 0; i < hd; i += 8)
-                _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(p, load8(v, i, bf16), _mm256_loadu_ps(acc + i)));
+            for (int i = 0; i < hd; i += 8) acc[i / 8] = _mm256_fmadd_ps(p, load8(v, i, bf16), acc[i / 8]);
         }
     }
-    for (int i = 0; i < hd; i++) out[i] = acc[i] / denom;
+    for (int i = 0; i < hd; i += 8) _mm256_storeu_ps(out + i, _mm256_div_ps(acc[i / 8], _mm256_set1_ps(denom)));
 }
 
 static void attend(const InfireModel *m, int layer, const float *q, int kv_head,
                    const int32_t *table, int context, float *out) {
-    if (m->kv_bf16)
-        attend_impl(m, layer, q, kv_head, table, context, out, 1);
+    if (m->kv_bf16 && m->head_dim == 64)
+        attend_impl(m, layer, q, kv_head, table, context, out, 1, 64);
+    else if (m->kv_bf16)
+        attend_impl(m, layer, q, kv_head, table, context, out, 1, 0);
+    else if (m->head_dim == 64)
+        attend_impl(m, layer, q, kv_head, table, context, out, 0, 64);
     else
-        attend_impl(m, layer, q, kv_head, table, context, out, 0);
+        attend_impl(m, layer, q, kv_head, table, context, out, 0, 0);
 }
 
 static void attention(const InfireModel *m, int layer, const float *qkv, int n,
