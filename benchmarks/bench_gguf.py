@@ -32,8 +32,8 @@ llama-cpp-python's C API in `.bench-venv`. Measures:
 
 Results go to benchmarks/results/gguf.json and docs/benchmarks-gguf.png.
 
-    .venv/bin/python benchmarks/bench_gguf.py            # ~6 minutes on 2 cores
-    .venv/bin/python benchmarks/bench_gguf.py --quick    # SmolLM2 only, fewer tokens
+    .venv/bin/python benchmarks/bench_gguf.py            # ~25 minutes on 2 cores (3 rounds)
+    .venv/bin/python benchmarks/bench_gguf.py --quick --rounds 1   # SmolLM2, fewer tokens
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import subprocess
 import sys
 import time
@@ -344,6 +345,9 @@ def batch_ops(weights: object, sizes: dict) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="SmolLM2 only, fewer tokens")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of every (file, engine) run, the engines' order reversed "
+                        "every other round; the tables give the medians (default: 3)")  # fmt: skip
     parser.add_argument("--child", nargs=3, metavar=("ENGINE", "FILE", "SIZES"),
                         help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args()
@@ -389,14 +393,26 @@ def main() -> None:
             else None,
             "kernel_gops": kernel_rate(kind, SHAPE["hidden"]) / 1e9,
         }  # fmt: skip
-        runs = [(name, sys.executable) for name in ENGINES] + [("llama.cpp", str(PEER_PYTHON))]
-        for engine, python in runs:
-            wait_until_idle([], 0.15, 60)
-            out = subprocess.run([python, __file__, "--child", engine, str(path), json.dumps(sizes)],
-                                 capture_output=True, text=True, check=True)  # fmt: skip
-            row[engine] = json.loads(out.stdout.strip().splitlines()[-1])
-            row[engine]["roofline"] = stored * row[engine]["decode"] / bandwidth
-            print(label, engine, json.dumps(row[engine]), flush=True)
+    # the machine's bandwidth and llama.cpp's own speed drift over minutes: every engine
+    # runs once a round, in alternating order, and each measure is a median over rounds
+    runs = [(name, sys.executable) for name in ENGINES] + [("llama.cpp", str(PEER_PYTHON))]
+    for r in range(args.rounds):
+        for label, path in files.items():
+            row = results["files"][label]
+            for engine, python in runs if r % 2 == 0 else runs[::-1]:
+                wait_until_idle([], 0.15, 60)
+                out = subprocess.run([python, __file__, "--child", engine, str(path),
+                                      json.dumps(sizes)], capture_output=True, text=True,
+                                     check=True)  # fmt: skip
+                got = json.loads(out.stdout.strip().splitlines()[-1])
+                row.setdefault(engine, {"rounds": []})["rounds"].append(got)
+                print(f"round {r + 1}", label, engine, json.dumps(got), flush=True)
+    for row in results["files"].values():
+        for engine, _ in runs:
+            rounds = row[engine]["rounds"]
+            for key in ("decode", "prefill", "batch", "rss"):
+                row[engine][key] = statistics.median(got[key] for got in rounds)
+            row[engine]["roofline"] = row["weights_bytes"] * row[engine]["decode"] / bandwidth
     (RESULTS / "gguf.json").write_text(json.dumps(results, indent=2))
     print(f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s on {THREADS} threads")
     print("int8 products, peak of each instruction mix: "
@@ -405,6 +421,11 @@ def main() -> None:
         c = row["ceiling"]
         needed = 3 * row["llama.cpp"]["batch"]
         ceiling = "not measured" if c["peak_tok_s"] is None else f"<= {c['peak_tok_s']:.0f} tok/s"
+        decode = [
+            f"{a['decode'] / b['decode']:.2f}x"
+            for a, b in zip(row["infire"]["rounds"], row["llama.cpp"]["rounds"], strict=True)
+        ]
+        print(f"{label}: infire / llama.cpp decode per round: {', '.join(decode)}")
         print(f"{label}: batch-32 {c['batch_ops'] / 1e12:.2f} Tops; at the {c['mix']} peak "
               f"{ceiling} (3x llama.cpp: {needed:.0f}); infire's kernel "
               f"{c['kernel_gops']:.0f} GOP/s in cache")  # fmt: skip
