@@ -58,7 +58,10 @@ def _held_blocks(llm: LLM) -> dict[str, tuple[int, int]]:
 def test_smollm2_blocks_on_tensor_and_pipeline_ranks() -> None:
     reference, llm = _greedy(None, 1, 1, PROMPTS, 12)
     with llm:
-        assert llm.engine.runner.fused_status == "active, GGUF blocks"
+        # every matmul weight and the head: Q4_1/Q8_0 rows in groups of 16
+        assert llm.engine.runner.fused_status == (
+            "active, GGUF blocks (211 tensors in groups of 16 rows)"
+        )
     outputs = {}
     for tp, pp in [(3, 1), (3, 2), (1, 2)]:
         got, llm = _greedy(None, tp, pp, PROMPTS, 12)

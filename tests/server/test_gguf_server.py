@@ -28,6 +28,7 @@ def test_infire_serve_serves_the_default_model_as_its_blocks(tmp_path: Path) -> 
         assert answer.choices[0].message.content == want
     finally:
         server.stop()
-    assert re.search(r"ready: .*CPU kernels active, GGUF blocks\)", server.log.read_text())
+    ready = r"ready: .*CPU kernels active, GGUF blocks \(211 tensors in groups of 16 rows\)\)"
+    assert re.search(ready, server.log.read_text())
     config = EngineConfig(quantization="none")  # what crosses to the engine process
     assert config_from_json(config_to_json(config)).quantization == "none"
