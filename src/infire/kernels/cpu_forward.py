@@ -149,8 +149,8 @@ def _shape(part: GGUFBlocks) -> tuple[int, int]:
 
 def interleave_rows(part: GGUFBlocks, out: torch.Tensor | None = None) -> GGUFBlocks:
     """A part's rows copied once (in the row index's order) into groups of 16 rows, the
-    layout of the AVX512-VNNI products (infire_repack_rows16 in cpu_forward.c): the same
-    bytes, reordered. `out`: the [rows, row_bytes] uint8 tensor to write (new by default)."""
+    layout of the group kernels (infire_repack_rows16 in cpu_forward.c): the same bytes,
+    reordered. `out`: the [rows, row_bytes] uint8 tensor to write (new by default)."""
     if not _groups_fit(part):
         raise ValueError("only whole Q4_0, Q4_1, Q8_0 or Q4_K rows, a multiple of 16, interleave")
     kind, data, index = part
@@ -444,10 +444,10 @@ class CpuForward:
     work this does not take: fp32 prefill, where oneDNN's GEMM is faster). With `palette`
     (bf16 only) the matmul weights and the embedding are held in Unweight's palette form
     instead, 12 bits a weight plus the chunks that need verbatim exponents. With `blocks`
-    they are held as GGUF blocks: where the CPU has AVX512-VNNI, the parts that can are
-    copied once into groups of 16 rows (interleave_rows), and `release(name)` drops the
-    file's pages of each copied tensor from the process (again once all are copied: a
-    later read of a neighbour may have mapped some back).
+    they are held as GGUF blocks: the parts that can (can_interleave) are copied once
+    into groups of 16 rows (interleave_rows; not with INFIRE_NO_REPACK=1), and
+    `release(name)` drops the file's pages of each copied tensor from the process (again
+    once all are copied: a later read of a neighbour may have mapped some back).
     """
 
     def __init__(
