@@ -625,15 +625,17 @@ static inline __attribute__((always_inline)) void prefetch_rows(
 }
 
 /*
- * Interleaved rows. On AVX512-VNNI, Q4_0, Q4_1 and Q8_0 parts whose rows are whole and a
- * multiple of 16 are copied once at load into groups of 16 rows: the same bytes in another
- * order (a part takes the same memory). Per block of 32 values, a group stores its 16
- * rows' scales d (fp16), then Q4_1's mins m, then their codes 4 bytes of a row at a time:
- * bytes 4 k .. 4 k + 3 of the 16 rows form 64-byte vector k, row i in 32-bit lane i. One
- * `vpdpbusd` of such a vector with 4 of a token's activation codes broadcast sums 4
- * products for each of the 16 rows, and a token's 16 results come out as one vector.
- * Q8_0's codes are stored + 128 (unsigned; the offset takes it back), Q4_0's and Q4_1's
- * bytes as the file has them (a byte's low nibble is value j, its high one j + 16).
+ * Interleaved rows. Q4_0, Q4_1, Q8_0 and Q4_K parts whose rows are whole and a multiple of
+ * 16 are copied once at load into groups of 16 rows (cpu_forward.py can_interleave; Q4_K
+ * not where AVX512-VNNI's products are in use): the same bytes in another order (a part
+ * takes the same memory). Per block, a group stores its 16 rows' 2-byte fields (see
+ * group_layout), then their other bytes 4 of a row at a time: bytes 4 k .. 4 k + 3 of the
+ * 16 rows form 64-byte vector k, row i in 32-bit lane i. One `vpdpbusd` of such a vector
+ * with 4 of a token's activation codes broadcast sums 4 products for each of the 16 rows
+ * (the 256-bit kernels take a vector as two halves of 8 rows), and a token's 16 results
+ * come out as vectors. Q8_0's codes are stored + 128 (unsigned; the offset takes it back),
+ * the others' bytes as the file has them (a Q4 byte's low nibble is value j, its high one
+ * j + 16).
  */
 #define GROUP_ROWS 16
 
