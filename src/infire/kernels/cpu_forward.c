@@ -1174,6 +1174,12 @@ static inline AVX512 __attribute__((always_inline)) void rows_dots_q512_typed(
 }
 
 #define GROUP_AHEAD 8192 /* how far ahead of the products a group's bytes are fetched */
+
+/* Fetch into L1 the group's bytes GROUP_AHEAD past block `blk` of `size` bytes (groups lie
+ * one after another: this runs on into the next group). */
+static inline void prefetch_group_block(const uint8_t *blk, long size) {
+    for (long o = 0; o < size; o += 64) _mm_prefetch((const char *)blk + GROUP_AHEAD + o, _MM_HINT_T0);
+}
 #define G_TOKENS 8        /* tokens whose interleaved-row sums stay in registers */
 
 /* A group of 16 interleaved rows (see infire_repack_rows16) with `nt` tokens: out[t * 16
@@ -1191,7 +1197,7 @@ static inline AVX512 __attribute__((always_inline)) void rows16_typed(
         for (int b = 0; b < blocks; b++) {
             const uint8_t *blk = group + b * size;
             if (t0 == 0) /* later tokens find the group in cache */
-                for (long o = 0; o < size; o += 64) _mm_prefetch((const char *)blk + GROUP_AHEAD + o, _MM_HINT_T0);
+                prefetch_group_block(blk, size);
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
             const __m512 off = type == GGML_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
                                                  : _mm512_mul_ps(d, _mm512_set1_ps(four ? -8.0f : -128.0f));
@@ -1258,7 +1264,7 @@ static inline __attribute__((always_inline)) void rows16_avx2_typed(
         for (int b = 0; b < blocks; b++) {
             const uint8_t *blk = group + b * size;
             if (t0 == 0) /* later tokens find the group in cache */
-                for (long o = 0; o < size; o += 64) _mm_prefetch((const char *)blk + GROUP_AHEAD + o, _MM_HINT_T0);
+                prefetch_group_block(blk, size);
             for (int h = 0; h < 2; h++) {
                 const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
                 __m256 off = _mm256_setzero_ps();
@@ -1343,7 +1349,7 @@ static inline __attribute__((always_inline)) void rows16_q4k(const uint8_t *grou
         for (int b = 0; b < blocks; b++) {
             const uint8_t *blk = group + b * size;
             if (t0 == 0)
-                for (long o = 0; o < size; o += 64) _mm_prefetch((const char *)blk + GROUP_AHEAD + o, _MM_HINT_T0);
+                prefetch_group_block(blk, size);
             for (int h = 0; h < 2; h++) {
                 const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
                 const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)));
@@ -1601,10 +1607,6 @@ static void quant_linear_impl(const QuantWeight *w, const float *bias, const flo
     float dk[TOKEN_BLOCK * kb + 1];
     int16_t bsum[TOKEN_BLOCK * 16 * kb + 1];
     const QuantX qx = {q, scale, xsum, xblock, qk, dk, bsum, cols};
-    long row_bytes = 0;
-    for (int p = 0; p < w->num_parts; p++)
-        row_bytes = w->parts[p].row_bytes > row_bytes ? w->parts[p].row_bytes : row_bytes;
-    uint8_t plain[2][row_bytes + 1]; /* rows rebuilt from a group (another ISA than its own) */
     float row_f32[cols], out[GROUP_ROWS * TOKEN_BLOCK];
     long total = 0;
     int units = 0;
@@ -1649,8 +1651,8 @@ static void quant_linear_impl(const QuantWeight *w, const float *bias, const flo
                                 out[k * TOKEN_BLOCK + t] = row_dot_f32(row_f32, x + (long)(t0 + t) * cols, cols);
                         }
                     } else
-                        rows_dots(part->type, plain_row(part, r0 + r, plain[0]),
-                                  two ? plain_row(part, r0 + r + 1, plain[1]) : NULL, nt, &qx, out,
+                        rows_dots(part->type, quant_row(part, r0 + r),
+                                  two ? quant_row(part, r0 + r + 1) : NULL, nt, &qx, out,
                                   out + TOKEN_BLOCK);
                     for (int k = 0; k <= two; k++)
                         store_rows(y, ldy, accumulate, bias, first_row + r0 + r + k, 1, t0, nt,

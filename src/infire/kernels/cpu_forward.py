@@ -136,9 +136,10 @@ def can_interleave(part: GGUFBlocks) -> bool:
 
 
 def _groups_fit(part: GGUFBlocks) -> bool:
-    kind, data, index = part
-    rows = index.numel() if index is not None else data.shape[0]
-    return kind in INTERLEAVED_TYPES and rows % GROUP_ROWS == 0 and data.stride(0) == data.shape[1]
+    rows, row_bytes = _shape(part)
+    return (
+        part[0] in INTERLEAVED_TYPES and rows % GROUP_ROWS == 0 and part[1].stride(0) == row_bytes
+    )
 
 
 def _shape(part: GGUFBlocks) -> tuple[int, int]:
