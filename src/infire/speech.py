@@ -1,0 +1,507 @@
+"""Decoding Whisper: a window's tokens from its features, and whole recordings window by
+window, as openai-whisper decodes them.
+
+Each step's logits pass the same rules, in this order:
+- the model's suppressed tokens (config `suppress_tokens`: symbols and speaker marks that
+  Whisper was told never to write) are set to -inf, and at the first sampled position the
+  `begin_suppress_tokens` too (a blank " " and <|endoftext|>: a transcript does not start
+  empty);
+- with timestamps: openai-whisper's timestamp rules (they come in pairs, never go
+  backwards, the first is a timestamp at most 1 s in, and where the timestamps together
+  are likelier than any text token, a timestamp is taken);
+- greedy takes the largest logit (the first of equals, as torch.argmax).
+
+`decode_greedy` runs a batch of windows together (one encoder pass for all, one decoder
+step for every unfinished sequence), each with its own prompt; a finished sequence stops
+taking steps (tested against transformers' generate and against each window alone).
+`decode_window` decodes one window greedily, by sampling (`best_of` candidates at a
+temperature, the likeliest kept) or by beam search (openai-whisper's: beam_size + 1
+candidates a beam, patience, finished sequences ranked by their mean log-probability).
+
+`transcribe` runs a recording of any length: 30 s windows from `seek`, each decoded with
+the previous windows' text as its prompt (after <|startofprev|>), with openai-whisper's
+temperature fallback (a window is decoded again at the next temperature when its text
+compresses too well, a loop, or its mean log-probability is too low, unless it is
+silence), its no-speech skip, and its timestamps cut into segments; where a window ends
+inside speech, the next starts at its last timestamp.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from infire.audio import FRAMES_PER_SECOND, HOP_LENGTH, N_FRAMES, N_SAMPLES, SAMPLE_RATE, log_mel
+from infire.errors import InvalidRequestError
+from infire.models.whisper import LoadedWhisper
+from infire.models.whisper_tokenizer import TIME_PRECISION, WhisperTokenizer
+
+MAX_INITIAL_TIMESTAMP = 1.0  # seconds: the first timestamp of a window is at most this
+
+
+@dataclass(frozen=True, slots=True)
+class WindowResult:
+    """One window's sampled tokens (the prompt excluded, <|endoftext|> dropped), their
+    summed log-probability, and the no-speech probability at the first step."""
+
+    tokens: list[int]
+    sum_logprob: float
+    no_speech_prob: float
+
+
+class LogitRules:
+    """The per-step masks of a window's decoding (see the module's docstring)."""
+
+    def __init__(
+        self, tokenizer: WhisperTokenizer, generation: dict, vocab_size: int, timestamps: bool
+    ) -> None:
+        self.tokenizer, self.timestamps = tokenizer, timestamps
+        suppress = [t for t in generation.get("suppress_tokens") or [] if 0 <= t < vocab_size]
+        self.suppress = torch.tensor(sorted(set(suppress)), dtype=torch.long)
+        begin = generation.get("begin_suppress_tokens")
+        if begin is None:
+            begin = [tokenizer.encode(" ")[0], tokenizer.eot]
+        self.begin = torch.tensor([t for t in begin if 0 <= t < vocab_size], dtype=torch.long)
+        self.max_initial = round(MAX_INITIAL_TIMESTAMP / 0.02)
+
+    def apply(self, logits: torch.Tensor, sampled: list[list[int]]) -> torch.Tensor:
+        """Mask logits [B, vocab] in place for rows whose sampled tokens so far are
+        `sampled[b]`."""
+        if self.suppress.numel():
+            logits[:, self.suppress] = -torch.inf
+        if self.timestamps:
+            logits[:, self.tokenizer.no_timestamps] = -torch.inf
+        for row, seq in enumerate(sampled):
+            if not seq:
+                logits[row, self.begin] = -torch.inf
+            if self.timestamps:
+                self._timestamp_rules(logits[row], seq)
+        return logits
+
+    def _timestamp_rules(self, logits: torch.Tensor, seq: list[int]) -> None:
+        begin, eot = self.tokenizer.timestamp_begin, self.tokenizer.eot
+        last = len(seq) >= 1 and seq[-1] >= begin
+        penultimate = len(seq) < 2 or seq[-2] >= begin
+        if last:
+            if penultimate:  # a pair closed: text (or the end) comes next
+                logits[begin:] = -torch.inf
+            else:  # a segment's end: another timestamp, or the end
+                logits[:eot] = -torch.inf
+        stamps = [t for t in seq if t >= begin]
+        if stamps:  # never backwards (a segment may end where it starts)
+            floor = stamps[-1] if last and not penultimate else stamps[-1] + 1
+            logits[begin:floor] = -torch.inf
+        else:  # the first sampled token is a timestamp, at most 1 s in
+            logits[:begin] = -torch.inf
+            logits[begin + self.max_initial + 1 :] = -torch.inf
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        if torch.logsumexp(logprobs[begin:], dim=-1) > logprobs[:begin].max():
+            logits[:begin] = -torch.inf
+
+
+@torch.inference_mode()
+def decode_greedy(
+    whisper: LoadedWhisper,
+    tokenizer: WhisperTokenizer,
+    features: torch.Tensor,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    timestamps: bool = False,
+    encoded: torch.Tensor | None = None,
+) -> list[WindowResult]:
+    """Greedy tokens of each window (features [B, n_mels, 3000]) after its prompt (the
+    tokens before and including the sot sequence)."""
+    model = whisper.model
+    encoded = model.encode(features) if encoded is None else encoded
+    rules = LogitRules(tokenizer, whisper.generation, model.config.vocab_size, timestamps)
+    results: list[WindowResult | None] = [None] * len(prompts)
+    sampled: list[list[int]] = [[] for _ in prompts]
+    logprob = [0.0] * len(prompts)
+    no_speech = [0.0] * len(prompts)
+    # windows with prompts of the same length run together (one prefill, then steps)
+    by_length: dict[int, list[int]] = {}
+    for index, prompt in enumerate(prompts):
+        by_length.setdefault(len(prompt), []).append(index)
+    for rows in by_length.values():
+        cache = model.start(encoded[rows])
+        tokens = torch.tensor([prompts[i] for i in rows])
+        logits = model.decode(tokens, cache)
+        sot_at = prompts[rows[0]].index(tokenizer.sot)
+        probs = torch.softmax(logits[:, sot_at].float(), dim=-1)
+        for j, i in enumerate(rows):
+            no_speech[i] = float(probs[j, tokenizer.no_speech])
+        step = logits[:, -1]
+        live = list(range(len(rows)))
+        while live:
+            step = rules.apply(step.clone(), [sampled[rows[j]] for j in live])
+            logprobs = torch.log_softmax(step.float(), dim=-1)
+            chosen = step.argmax(dim=-1)
+            keep = []
+            for k, j in enumerate(live):
+                i, token = rows[j], int(chosen[k])
+                logprob[i] += float(logprobs[k, token])
+                if token == tokenizer.eot or len(sampled[i]) + 1 >= max_new_tokens:
+                    if token != tokenizer.eot:
+                        sampled[i].append(token)
+                    results[i] = WindowResult(sampled[i], logprob[i], no_speech[i])
+                else:
+                    sampled[i].append(token)
+                    keep.append(k)
+            if not keep:
+                break
+            if len(keep) < len(live):
+                cache = cache.select(torch.tensor(keep))
+                chosen = chosen[keep]
+            live = [live[k] for k in keep]
+            step = model.decode(chosen[:, None], cache)[:, -1]
+    return [r for r in results if r is not None]
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeOptions:
+    """How one window is decoded."""
+
+    temperature: float = 0.0
+    beam_size: int = 1  # > 1: beam search (at temperature 0)
+    best_of: int = 5  # candidates sampled at a temperature > 0
+    patience: float = 1.0
+    max_new_tokens: int = 224  # half the decoder's 448 positions, as openai-whisper
+    timestamps: bool = True
+    seed: int = 0
+
+
+@torch.inference_mode()
+def decode_window(
+    whisper: LoadedWhisper,
+    tokenizer: WhisperTokenizer,
+    encoded: torch.Tensor,
+    prompt: list[int],
+    options: DecodeOptions,
+) -> WindowResult:
+    """One window (its encoding [1, 1500, d]) decoded after `prompt` by `options`."""
+    if options.temperature == 0 and options.beam_size <= 1:
+        return decode_greedy(whisper, tokenizer, None, [prompt], options.max_new_tokens,
+                             options.timestamps, encoded)[0]  # fmt: skip
+    model = whisper.model
+    rules = LogitRules(tokenizer, whisper.generation, model.config.vocab_size, options.timestamps)
+    width = options.best_of if options.temperature > 0 else options.beam_size
+    cache = model.start(encoded.expand(width, -1, -1))
+    logits = model.decode(torch.tensor([prompt] * width), cache)
+    no_speech = float(
+        torch.softmax(logits[0, prompt.index(tokenizer.sot)].float(), -1)[tokenizer.no_speech]
+    )
+    step = logits[:, -1]
+    if options.temperature > 0:
+        found = _sample(model, rules, tokenizer, cache, step, width, options)
+    else:
+        found = _beam(model, rules, tokenizer, cache, step, width, options)
+    # the likeliest by mean log-probability (openai-whisper's ranking without a length penalty)
+    tokens, score = max(found, key=lambda item: item[1] / max(len(item[0]), 1))
+    return WindowResult(list(tokens), score, no_speech)
+
+
+def _sample(model, rules, tokenizer, cache, step, width, options) -> list[tuple[list[int], float]]:
+    generator = torch.Generator().manual_seed(options.seed)
+    sampled: list[list[int]] = [[] for _ in range(width)]
+    scores = [0.0] * width
+    done = [False] * width
+    while True:
+        step = rules.apply(step.clone(), sampled)
+        logprobs = torch.log_softmax(step.float(), dim=-1)
+        probs = torch.softmax(step.float() / options.temperature, dim=-1)
+        chosen = torch.multinomial(probs, 1, generator=generator)[:, 0]
+        for i in range(width):
+            if done[i]:
+                chosen[i] = tokenizer.eot
+                continue
+            token = int(chosen[i])
+            scores[i] += float(logprobs[i, token])
+            if token == tokenizer.eot:
+                done[i] = True
+            else:
+                sampled[i].append(token)
+                done[i] = len(sampled[i]) >= options.max_new_tokens
+        if all(done):
+            return list(zip(sampled, scores, strict=True))
+        step = model.decode(chosen[:, None], cache)[:, -1]
+
+
+def _beam(model, rules, tokenizer, cache, step, width, options) -> list[tuple[list[int], float]]:
+    beams: list[list[int]] = [[] for _ in range(width)]
+    scores = [0.0] * width
+    finished: dict[tuple[int, ...], float] = {}
+    wanted = max(1, round(width * options.patience))
+    for length in range(options.max_new_tokens):
+        step = rules.apply(step.clone(), beams)
+        logprobs = torch.log_softmax(step.float(), dim=-1)
+        top, ids = logprobs.topk(width + 1, dim=-1)
+        candidates: dict[tuple[int, ...], tuple[float, int]] = {}
+        # every beam is the same at the first step: its copies add nothing
+        for i in range(1 if length == 0 else width):
+            for lp, token in zip(top[i].tolist(), ids[i].tolist(), strict=True):
+                candidates[(*beams[i], token)] = (scores[i] + lp, i)
+        kept: list[tuple[tuple[int, ...], float, int]] = []
+        for sequence, (score, source) in sorted(candidates.items(), key=lambda c: -c[1][0]):
+            if sequence[-1] == tokenizer.eot:
+                if len(finished) < wanted:
+                    finished[sequence[:-1]] = score
+            elif len(kept) < width:
+                kept.append((sequence, score, source))
+        if len(finished) >= wanted or not kept:
+            break
+        cache = cache.select(torch.tensor([source for _, _, source in kept]))
+        beams = [list(sequence) for sequence, _, _ in kept]
+        scores = [score for _, score, _ in kept]
+        step = model.decode(torch.tensor([[b[-1]] for b in beams]), cache)[:, -1]
+    if not finished:  # the length ran out: the live beams are the answers
+        finished = {tuple(b): s for b, s in zip(beams, scores, strict=True)}
+    return [(list(sequence), score) for sequence, score in finished.items()]
+
+
+@torch.inference_mode()
+def detect_language(
+    whisper: LoadedWhisper, tokenizer: WhisperTokenizer, encoded: torch.Tensor
+) -> tuple[str, dict[str, float]]:
+    """The likeliest language of a window (its encoding [1, 1500, d]) and each language's
+    probability: the decoder's first step after <|startoftranscript|>, over the language
+    tokens alone."""
+    if not tokenizer.multilingual:
+        return "en", {"en": 1.0}
+    logits = whisper.model.decode(torch.tensor([[tokenizer.sot]]), whisper.model.start(encoded))[
+        0, -1
+    ]
+    codes = list(tokenizer.languages)
+    probs = torch.softmax(logits[[tokenizer.languages[c] for c in codes]].float(), dim=-1)
+    ranked = dict(zip(codes, probs.tolist(), strict=True))
+    return codes[int(probs.argmax())], ranked
+
+
+@dataclass(frozen=True, slots=True)
+class TranscribeOptions:
+    """openai-whisper's transcribe settings (and faster-whisper's names for them)."""
+
+    task: str = "transcribe"  # or "translate" (to English)
+    language: str | None = None  # None: detected on the first window
+    temperatures: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+    beam_size: int = 1
+    best_of: int = 5
+    patience: float = 1.0
+    initial_prompt: str | None = None
+    prefix: str | None = None  # the first window's text starts with this
+    condition_on_previous_text: bool = True
+    compression_ratio_threshold: float | None = 2.4
+    logprob_threshold: float | None = -1.0
+    no_speech_threshold: float | None = 0.6
+    timestamps: bool = True
+    max_new_tokens: int = 224
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    id: int
+    seek: int  # the window's first frame
+    start: float
+    end: float
+    text: str
+    tokens: list[int]
+    temperature: float
+    avg_logprob: float
+    compression_ratio: float
+    no_speech_prob: float
+
+
+@dataclass(frozen=True, slots=True)
+class Transcription:
+    text: str
+    language: str
+    duration: float  # seconds of audio
+    segments: list[Segment] = field(default_factory=list)
+    language_probs: dict[str, float] = field(default_factory=dict)
+
+
+def compression_ratio(text: str) -> float:
+    raw = text.encode("utf-8")
+    return len(raw) / len(zlib.compress(raw)) if raw else 0.0
+
+
+class TranscriptionJob:
+    """One recording's transcription, a window at a time: an engine takes each job's
+    `window()` features, encodes them (batched with other jobs'), sets the language where
+    it is to be detected, decodes the first temperature (batched, greedy) and hands the
+    result to `finish_window`, which decodes the higher temperatures alone where the text
+    fails the checks and returns the window's new segments."""
+
+    def __init__(self, whisper: LoadedWhisper, tokenizer: WhisperTokenizer, samples: np.ndarray,
+                 options: TranscribeOptions | None = None) -> None:  # fmt: skip
+        options = options or TranscribeOptions()
+        if options.task not in ("transcribe", "translate"):
+            raise InvalidRequestError(
+                f"task must be 'transcribe' or 'translate', not {options.task!r}", param="task"
+            )
+        if samples.size == 0:
+            raise InvalidRequestError("the audio is empty: it holds no samples", param="file")
+        self.whisper, self.tokenizer, self.options = whisper, tokenizer, options
+        if options.language is not None:
+            tokenizer.language_token(options.language)  # refused here if unknown
+        # features of the whole recording (and 30 s of silence after it, as openai-whisper)
+        silence = np.zeros(N_SAMPLES, np.float32)
+        self.mel = log_mel(
+            np.concatenate([samples, silence]), whisper.config.num_mel_bins, pad=False
+        )
+        self.content_frames = self.mel.shape[-1] - N_FRAMES
+        self.duration = samples.size / SAMPLE_RATE
+        self.language, self.language_probs = options.language, {}
+        self.tokens: list[int] = []  # every window's tokens (after the initial prompt)
+        if options.initial_prompt:
+            self.tokens = tokenizer.encode(" " + options.initial_prompt.strip())
+        self.prompt_reset = 0
+        self.segments: list[Segment] = []
+        self.seek = 0
+
+    @property
+    def done(self) -> bool:
+        return self.seek >= self.content_frames
+
+    @property
+    def seconds_done(self) -> float:
+        return self.duration if self.done else min(self.seek / FRAMES_PER_SECOND, self.duration)
+
+    def window(self) -> torch.Tensor:
+        """The features [n_mels, 3000] of the next window."""
+        return self.mel[:, self.seek : self.seek + N_FRAMES]
+
+    def prompt(self) -> list[int]:
+        """The decoder's prompt of the next window (the language known)."""
+        tokenizer, options = self.tokenizer, self.options
+        previous = self.tokens[self.prompt_reset :]
+        prompt = []
+        if previous:
+            keep = self.whisper.config.max_target_positions // 2 - 1
+            prompt = [tokenizer.sot_prev, *previous[-keep:]]
+        prompt += tokenizer.sot_sequence(self.language, options.task, options.timestamps)
+        if options.prefix and self.seek == 0:
+            prompt += tokenizer.encode(" " + options.prefix.strip())
+        return prompt
+
+    def first_options(self) -> DecodeOptions:
+        return self._decode_options(self.options.temperatures[0])
+
+    def _decode_options(self, temperature: float) -> DecodeOptions:
+        o = self.options
+        return DecodeOptions(temperature=temperature, beam_size=o.beam_size if temperature == 0 else 1,
+                             best_of=o.best_of, patience=o.patience, max_new_tokens=o.max_new_tokens,
+                             timestamps=o.timestamps, seed=o.seed)  # fmt: skip
+
+    def finish_window(self, encoded: torch.Tensor, first: WindowResult) -> list[Segment]:
+        """The window's segments, from the first temperature's result (and the next ones'
+        where it fails the checks); the job moves on to the next window."""
+        options, tokenizer = self.options, self.tokenizer
+        size = min(N_FRAMES, self.content_frames - self.seek)
+        prompt = self.prompt()
+        result, temperature = first, options.temperatures[0]
+        for temperature in options.temperatures:
+            if temperature != options.temperatures[0]:
+                result = decode_window(self.whisper, tokenizer, encoded, prompt,
+                                       self._decode_options(temperature))  # fmt: skip
+            if not self._needs_fallback(result):
+                break
+        avg = result.sum_logprob / (len(result.tokens) + 1)
+        silent = (
+            options.no_speech_threshold is not None
+            and result.no_speech_prob > options.no_speech_threshold
+            and (options.logprob_threshold is None or avg <= options.logprob_threshold)
+        )
+        if silent:  # nothing written, nothing carried
+            self.seek += size
+            return []
+        ratio = compression_ratio(tokenizer.decode(result.tokens))
+        found, seek_to = _segments(
+            tokenizer, result.tokens, self.seek, size, self.seek / FRAMES_PER_SECOND
+        )
+        new = []
+        for start, end, piece in found:
+            text = tokenizer.decode(piece)
+            if text.strip():
+                new.append(Segment(len(self.segments) + len(new), self.seek, round(start, 2), round(end, 2),
+                                   text, piece, temperature, avg, ratio, result.no_speech_prob))  # fmt: skip
+        self.segments += new
+        self.tokens += result.tokens
+        if not options.condition_on_previous_text or temperature > 0.5:
+            self.prompt_reset = len(self.tokens)
+        self.seek = seek_to
+        return new
+
+    def _needs_fallback(self, result: WindowResult) -> bool:
+        options = self.options
+        avg = result.sum_logprob / (len(result.tokens) + 1)
+        if (
+            options.no_speech_threshold is not None
+            and result.no_speech_prob > options.no_speech_threshold
+        ):
+            return False  # silence: another temperature would only invent words
+        ratio = options.compression_ratio_threshold
+        if ratio is not None and compression_ratio(self.tokenizer.decode(result.tokens)) > ratio:
+            return True  # a loop, most likely
+        return options.logprob_threshold is not None and avg < options.logprob_threshold
+
+    def result(self) -> Transcription:
+        text = "".join(segment.text for segment in self.segments)
+        return Transcription(text, self.language or "en", self.duration, list(self.segments),
+                             self.language_probs)  # fmt: skip
+
+
+@torch.inference_mode()
+def transcribe(
+    whisper: LoadedWhisper,
+    tokenizer: WhisperTokenizer,
+    samples: np.ndarray,
+    options: TranscribeOptions | None = None,
+    progress: Callable[[float, float], None] | None = None,
+) -> Transcription:
+    """A recording (16 kHz mono float32) as text and timed segments, window after window;
+    `progress(done, total)` in seconds after each window."""
+    job = TranscriptionJob(whisper, tokenizer, samples, options)
+    while not job.done:
+        encoded = whisper.model.encode(job.window()[None])
+        if job.language is None:
+            job.language, job.language_probs = detect_language(whisper, tokenizer, encoded)
+        first = decode_window(whisper, tokenizer, encoded, job.prompt(), job.first_options())
+        job.finish_window(encoded, first)
+        if progress:
+            progress(job.seconds_done, job.duration)
+    return job.result()
+
+
+def _segments(tokenizer: WhisperTokenizer, tokens: list[int], seek: int, size: int, offset: float):
+    """A window's tokens cut at its timestamp pairs into (start, end, tokens) segments, and
+    the frame the next window starts from."""
+    begin = tokenizer.timestamp_begin
+    stride = N_FRAMES // 1500  # mel frames a timestamp step covers (2)
+    is_stamp = [t >= begin for t in tokens]
+    single_ending = len(tokens) >= 2 and is_stamp[-2:] == [False, True]
+    cuts = [i + 1 for i in range(len(tokens) - 1) if is_stamp[i] and is_stamp[i + 1]]
+    out = []
+    if cuts:
+        if single_ending:
+            cuts.append(len(tokens))
+        last = 0
+        for cut in cuts:
+            piece = tokens[last:cut]
+            start = offset + (piece[0] - begin) * TIME_PRECISION
+            end = offset + (piece[-1] - begin) * TIME_PRECISION
+            out.append((start, end, piece))
+            last = cut
+        if single_ending:
+            return out, seek + size
+        return out, seek + (tokens[last - 1] - begin) * stride
+    duration = size * HOP_LENGTH / SAMPLE_RATE
+    stamps = [t for t in tokens if t >= begin]
+    if stamps and stamps[-1] != begin:
+        duration = (stamps[-1] - begin) * TIME_PRECISION
+    out.append((offset, offset + duration, tokens))
+    return out, seek + size
