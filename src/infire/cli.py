@@ -271,7 +271,11 @@ def _catalog(args: argparse.Namespace) -> Catalog:
     if args.catalog:
         return load_catalog(args.catalog)
     if args.model:
+        from infire.models.whisper import is_whisper_folder
+
         task = ENCODER_TASKS.get(encoder_task(args.model) or "", "text-generation")
+        if Path(args.model).is_dir() and is_whisper_folder(Path(args.model)):
+            task = "automatic-speech-recognition"
         return one_model_catalog(args.model, task, args.served_model_name)
     return default_catalog()
 
@@ -308,6 +312,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("INFIRE_API_KEY"),
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
+        max_audio_bytes=args.max_audio_bytes,
+        max_audio_seconds=args.max_audio_seconds,
         engine_in_process=args.engine_in_process,
         evict_hold_s=args.evict_hold,
     )
@@ -637,6 +643,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="answer 429 while this many sequences wait (default: 256)")  # fmt: skip
     serve.add_argument("--max-body-bytes", type=parse_size, default="4MiB",
                        help="largest request body, else 413 (default: 4MiB)")  # fmt: skip
+    serve.add_argument("--max-audio-bytes", type=parse_size, default="25MiB",
+                       help="largest body of /v1/audio/* and /ai/run/* (audio uploads), else 413 "
+                       "(default: 25MiB, OpenAI's)")  # fmt: skip
+    serve.add_argument("--max-audio-seconds", type=float, default=3600.0,
+                       help="longest audio a speech request may send, else 413 (default: 3600)")  # fmt: skip
     serve.add_argument("--no-access-log", action="store_true", help="no JSON line per request")
     serve.add_argument(
         "--engine-in-process", action="store_true",

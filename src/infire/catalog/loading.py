@@ -19,6 +19,7 @@ from infire.config import EngineConfig, ParallelConfig, resolve_dtype
 
 RUNTIME_BYTES = 256 * 2**20  # one engine process before its weights
 GENERATIVE = "text-generation"
+SPEECH = "automatic-speech-recognition"
 
 
 def engine_config_for(entry: CatalogEntry, base: EngineConfig) -> EngineConfig:
@@ -66,6 +67,10 @@ def inspect_entry(entry: CatalogEntry, base: EngineConfig) -> tuple[int, dict[st
         if config.scheduler.max_model_len:
             window = min(window, config.scheduler.max_model_len)
         return size, {"context_window": window}
+    if entry.task == SPEECH:  # float32 weights, no KV reservation (a window's is small)
+        from infire.models.whisper import whisper_bytes
+
+        return whisper_bytes(Path(config.model)) + RUNTIME_BYTES, {}
     from infire.models import bert
     from infire.models.checkpoint import safetensors_files
     from infire.models.weights import SafetensorsSource

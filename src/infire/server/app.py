@@ -34,7 +34,7 @@ from infire.catalog.manager import request_leases
 from infire.config import EngineConfig
 from infire.errors import InfireError
 from infire.server import catalog as catalog_routes
-from infire.server import encoders, openai, workers_ai
+from infire.server import encoders, openai, speech, workers_ai
 from infire.server.catalog import ServedModels
 from infire.server.errors import APIError, error_response, json_object
 from infire.server.metrics import CONTENT_TYPE
@@ -53,6 +53,8 @@ class ServerConfig:
     api_key: str | None = None
     max_waiting: int = 256  # waiting sequences beyond which new requests get 429
     max_body_bytes: int = 4 * 1024**2
+    max_audio_bytes: int = 25 * 1024**2  # bodies of the audio routes and /ai/run
+    max_audio_seconds: float = 3600.0  # longest audio of a speech request
     engine_in_process: bool = False  # engine cores in threads instead of their own processes
     evict_hold_s: float = 0.5  # a model loaded this recently is not evicted
 
@@ -98,6 +100,7 @@ def build_app(models: ServedModels, config: ServerConfig, lifespan: Any = None) 
     app = FastAPI(title="infire", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.include_router(openai.build_router(models.generative, models.listing))
     app.include_router(encoders.build_router(models.encoder))
+    app.include_router(speech.build_router(models.speech, config.max_audio_seconds))
     app.include_router(workers_ai.build_router(models.any))
     app.include_router(catalog_routes.build_router(models))
 
@@ -165,9 +168,9 @@ class _Guard:
 
         try:
             refusal = self._refusal(path, headers)
-            replay = None if refusal else await self._read_body(receive)
+            replay = None if refusal else await self._read_body(receive, self._limit(path))
             if replay is None:
-                limit = self.config.max_body_bytes
+                limit = self._limit(path)
                 error = refusal or APIError(413, f"request body is larger than {limit} bytes")
                 await self._answer(scope, error, send_logged)
                 return
@@ -181,17 +184,23 @@ class _Guard:
                 "session_affinity": headers.get("x-session-affinity"),
             }))  # fmt: skip
 
+    def _limit(self, path: str) -> int:
+        """The largest body of a path: audio uploads have their own limit."""
+        if path.startswith(("/v1/audio/", "/ai/run/")):
+            return max(self.config.max_body_bytes, self.config.max_audio_bytes)
+        return self.config.max_body_bytes
+
     def _refusal(self, path: str, headers: dict[str, str]) -> APIError | None:
         length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.config.max_body_bytes:
-            return APIError(413, f"request body is larger than {self.config.max_body_bytes} bytes")
+        if length is not None and length.isdigit() and int(length) > self._limit(path):
+            return APIError(413, f"request body is larger than {self._limit(path)} bytes")
         key = self.config.api_key
         protected = path.startswith(("/v1/", "/ai/"))
         if key and protected and headers.get("authorization") != f"Bearer {key}":
             return APIError(401, "invalid or missing API key", code="invalid_api_key")
         return None
 
-    async def _read_body(self, receive: Receive) -> Receive | None:
+    async def _read_body(self, receive: Receive, limit: int) -> Receive | None:
         """Read the whole body (None if over the limit); a receive that replays it."""
         chunks, size, more = [], 0, True
         while more:
@@ -201,7 +210,7 @@ class _Guard:
                 break
             body = message.get("body", b"")
             size += len(body)
-            if size > self.config.max_body_bytes:
+            if size > limit:
                 return None
             chunks.append(body)
             more = message.get("more_body", False)

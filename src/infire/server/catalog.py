@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from infire.catalog.config import TASKS, Catalog, CatalogEntry
-from infire.catalog.loading import GENERATIVE, engine_config_for, inspect_entry
+from infire.catalog.loading import GENERATIVE, SPEECH, engine_config_for, inspect_entry
 from infire.catalog.manager import ModelManager, ModelSlot
 from infire.config import EngineConfig
 from infire.engine import InprocEngineClient, MPEngineClient
@@ -41,6 +41,8 @@ TASK_DESCRIPTIONS = {
     "text-classification": "Sentiment analysis or text classification is a common NLP task "
     "that classifies a text input into labels or classes.",
     "text-reranking": "Rerankers score a list of passages by their relevance to a query.",
+    "automatic-speech-recognition": "Automatic speech recognition (ASR) models convert a "
+    "speech signal, typically an audio input, to text.",
 }
 _NAMESPACE = uuid.UUID("6f1c2b0e-5a7d-4c1e-9a51-8e0d2f3b7c44")  # infire's catalog ids
 
@@ -102,6 +104,8 @@ class ServedModels:
             )  # fmt: skip
             metrics = self.metrics.for_model(entry.name)
             return Serving(client, entry.name, self.max_waiting, metrics, entry.params)
+        if entry.task == SPEECH:
+            return self._speech(entry, config)
         task = encoder_task(config.model)
         if ENCODER_TASKS.get(task or "") != entry.task:
             raise ModelLoadError(f"{entry.name}: the catalog says {entry.task}, but "
@@ -123,6 +127,24 @@ class ServedModels:
                     encoder.task, encoder.dim, encoder.max_input_tokens,
                     str(encoder.dtype).removeprefix("torch."))  # fmt: skip
         return encoder
+
+    def _speech(self, entry: CatalogEntry, config: EngineConfig) -> Any:
+        """A Whisper model's engine: a batching thread in this process (speech engines do
+        not run in a process of their own yet)."""
+        from pathlib import Path
+
+        from infire.engine.speech import SpeechEngine
+        from infire.models.whisper import is_whisper_folder
+
+        if not is_whisper_folder(Path(config.model)):
+            raise ModelLoadError(f"{entry.name}: {config.model} is not a Whisper model (a Hugging "
+                                 "Face or CTranslate2 folder)")  # fmt: skip
+        engine = SpeechEngine(config.model)
+        engine.name = entry.name
+        logger.info("ready: %s (whisper, %d mel bins, %d+%d layers)", entry.name,
+                    engine.whisper.config.num_mel_bins, engine.whisper.config.encoder_layers,
+                    engine.whisper.config.decoder_layers)  # fmt: skip
+        return engine
 
     def _engine_stats(self) -> list:
         return [(name, model.client.stats()) for name, model in self.manager.ready_models()
@@ -177,10 +199,21 @@ class ServedModels:
     async def encoder(self, model: str) -> Any:
         """The encoder model `model` names (embeddings, reranking, classification)."""
         slot = self.manager.find(model)
-        if slot.entry.task == GENERATIVE:
+        if slot.entry.task in (GENERATIVE, SPEECH):
+            does = "generates text" if slot.entry.task == GENERATIVE else "recognizes speech"
             raise InvalidRequestError(
-                f"model {slot.entry.name!r} generates text; it has no embeddings, reranking "
-                "or classification", param="model",
+                f"model {slot.entry.name!r} {does}; it has no embeddings, reranking or "
+                "classification", param="model",
+            )  # fmt: skip
+        return await self.manager.acquire(slot)
+
+    async def speech(self, model: str) -> Any:
+        """The speech model `model` names (a SpeechEngine)."""
+        slot = self.manager.find(model)
+        if slot.entry.task != SPEECH:
+            raise InvalidRequestError(
+                f"model {slot.entry.name!r} does {TASKS[slot.entry.task].lower()}, not "
+                "speech recognition", param="model",
             )  # fmt: skip
         return await self.manager.acquire(slot)
 

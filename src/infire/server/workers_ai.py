@@ -42,6 +42,11 @@ def build_router(models: Callable[[str], Awaitable[Any]]) -> APIRouter:
     @router.post("/ai/run/{model:path}")
     async def run(model: str, request: Request) -> Any:
         serving = await models(model)
+        if getattr(serving, "task", None) == "automatic-speech-recognition":
+            raise InvalidRequestError(
+                "Workers AI's speech shapes are not served yet: send the audio to "
+                "/v1/audio/transcriptions", param="model",
+            )  # fmt: skip
         if not isinstance(serving, Serving):
             result = await encoders.workers_ai_run(serving, request)
             return {"result": result, "success": True, "errors": [], "messages": []}

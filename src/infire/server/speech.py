@@ -1,0 +1,180 @@
+"""Routes of speech models: OpenAI's `POST /v1/audio/transcriptions` and
+`POST /v1/audio/translations` (to English).
+
+Multipart uploads, as the `openai` client sends them: `file` (wav, flac, mp3, ogg/opus,
+webm, m4a, ...: anything FFmpeg reads), `model`, `language` (transcriptions: ISO 639-1;
+detected where absent), `prompt` (text the first window follows, as openai-whisper's
+initial prompt), `temperature` (0: openai-whisper's fallback from 0 up to 1 where a
+window's text fails its checks; above 0: that temperature alone),
+`timestamp_granularities[]` (`segment`) and `response_format`:
+- `json`: {"text", "usage": {"type": "duration", "seconds"}};
+- `text`: the text alone; `srt` and `vtt`: subtitles, one cue a segment;
+- `verbose_json`: task, language (its English name), duration, text and the segments
+  (id, seek, start, end, text, tokens, temperature, avg_logprob, compression_ratio,
+  no_speech_prob), as OpenAI's whisper-1 answers.
+
+`stream=true` answers server-sent events: `transcript.text.delta` with each window's new
+text as it is decoded, then `transcript.text.done` with the whole text and the usage.
+
+Bad input answers in OpenAI's error shape: no file, bytes that are not audio, a corrupt
+file or empty audio (400), audio longer than the server's maximum (413), a model that is
+not a speech model (400); the request's model is looked up under a lease as every route's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse, StreamingResponse
+from starlette.datastructures import UploadFile
+
+from infire.audio import SAMPLE_RATE, decode_audio
+from infire.errors import InvalidRequestError
+from infire.models.whisper_tokenizer import LANGUAGES
+from infire.server.errors import APIError
+from infire.server.openai import SSE_HEADERS, sse
+from infire.speech import TranscribeOptions, Transcription
+
+FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
+FALLBACK = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+
+
+def build_router(speech: Callable[[str], Awaitable[Any]], max_audio_seconds: float) -> APIRouter:
+    """The OpenAI audio routes over `await speech(model)`: a SpeechEngine (it raises for a
+    model that is not a speech model of this server)."""
+    router = APIRouter(prefix="/v1/audio")
+
+    @router.post("/transcriptions")
+    async def transcriptions(request: Request) -> Any:
+        return await _answer(request, "transcribe", speech, max_audio_seconds)
+
+    @router.post("/translations")
+    async def translations(request: Request) -> Any:
+        return await _answer(request, "translate", speech, max_audio_seconds)
+
+    return router
+
+
+async def _answer(request: Request, task: str, speech: Callable[[str], Awaitable[Any]],
+                  max_audio_seconds: float) -> Any:  # fmt: skip
+    try:
+        form = await request.form()
+    except Exception as e:  # not multipart, or a malformed one
+        raise InvalidRequestError(f"send the audio as multipart/form-data: {e}") from e
+    upload = form.get("file")
+    if not isinstance(upload, UploadFile):
+        raise InvalidRequestError("`file` (the audio, as a file upload) is required", param="file")
+    model = _field(form, "model")
+    if not model:
+        raise InvalidRequestError("`model` is required", param="model")
+    engine = await speech(model)
+    response_format = _field(form, "response_format") or "json"
+    if response_format not in FORMATS:
+        raise InvalidRequestError(f"response_format must be one of {', '.join(FORMATS)}",
+                                  param="response_format")  # fmt: skip
+    granularities = form.getlist("timestamp_granularities[]") or form.getlist(
+        "timestamp_granularities"
+    )
+    for value in granularities:
+        if value == "word":
+            raise InvalidRequestError("word timestamps are not supported yet; ask for `segment`",
+                                      param="timestamp_granularities[]")  # fmt: skip
+        if value != "segment":
+            raise InvalidRequestError("timestamp_granularities[] takes `segment`",
+                                      param="timestamp_granularities[]")  # fmt: skip
+    temperature = _number(_field(form, "temperature") or "0", "temperature")
+    if not 0 <= temperature <= 1:
+        raise InvalidRequestError("temperature must be between 0 and 1", param="temperature")
+    language = (_field(form, "language") or None) if task == "transcribe" else None
+    stream = (_field(form, "stream") or "false").lower() in ("true", "1")
+    data = await upload.read()
+    if not data:
+        raise InvalidRequestError("the file is empty", param="file")
+    samples = await asyncio.to_thread(decode_audio, data)
+    if samples.size > max_audio_seconds * SAMPLE_RATE:
+        raise APIError(413, f"the audio lasts {samples.size / SAMPLE_RATE:.1f} s, more than this "
+                            f"server's {max_audio_seconds:g} s", param="file")  # fmt: skip
+    options = TranscribeOptions(
+        task=task, language=language, temperatures=FALLBACK if temperature == 0 else (temperature,),
+        initial_prompt=_field(form, "prompt") or None,
+    )  # fmt: skip
+    job = await asyncio.to_thread(engine.job, samples, options)  # checks it; the features
+    if stream:
+        return StreamingResponse(_events(engine, job), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)  # fmt: skip
+    result: Transcription = await engine.transcribe(job)
+    return _formatted(result, task, response_format)
+
+
+def _field(form: Any, name: str) -> str | None:
+    value = form.get(name)
+    if value is None or isinstance(value, str):
+        return value
+    raise InvalidRequestError(f"`{name}` must be a form field, not a file", param=name)
+
+
+def _number(value: str, name: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise InvalidRequestError(f"{name} must be a number", param=name) from None
+
+
+def _usage(result: Transcription) -> dict:
+    return {"type": "duration", "seconds": max(1, round(result.duration))}
+
+
+def _formatted(result: Transcription, task: str, response_format: str) -> Any:
+    text = result.text.strip()
+    if response_format == "text":
+        return PlainTextResponse(text + "\n")
+    if response_format in ("srt", "vtt"):
+        return PlainTextResponse(subtitles(result, response_format))
+    if response_format == "json":
+        return {"text": text, "usage": _usage(result)}
+    segments = [{"id": s.id, "seek": s.seek, "start": s.start, "end": s.end, "text": s.text,
+                 "tokens": s.tokens, "temperature": s.temperature, "avg_logprob": s.avg_logprob,
+                 "compression_ratio": s.compression_ratio, "no_speech_prob": s.no_speech_prob}
+                for s in result.segments]  # fmt: skip
+    return {"task": "translate" if task == "translate" else "transcribe",
+            "language": LANGUAGES.get(result.language, result.language),
+            "duration": round(result.duration, 2), "text": text, "segments": segments,
+            "usage": _usage(result)}  # fmt: skip
+
+
+def subtitles(result: Transcription, kind: str) -> str:
+    """SRT or WebVTT cues, one a segment."""
+
+    def stamp(seconds: float) -> str:
+        ms = round(seconds * 1000)
+        h, ms = divmod(ms, 3_600_000)
+        m, ms = divmod(ms, 60_000)
+        s, ms = divmod(ms, 1000)
+        return f"{h:02d}:{m:02d}:{s:02d}{',' if kind == 'srt' else '.'}{ms:03d}"
+
+    cues = []
+    for i, segment in enumerate(result.segments, 1):
+        times = f"{stamp(segment.start)} --> {stamp(segment.end)}"
+        cue = f"{times}\n{segment.text.strip()}\n"
+        cues.append(f"{i}\n{cue}" if kind == "srt" else cue)
+    body = "\n".join(cues)
+    return body if kind == "srt" else "WEBVTT\n\n" + body
+
+
+async def _events(engine: Any, job: Any) -> AsyncIterator[str]:
+    try:
+        async for item in engine.stream(job):
+            if isinstance(item, Transcription):
+                yield sse({"type": "transcript.text.done", "text": item.text.strip(),
+                           "usage": _usage(item)})  # fmt: skip
+            else:
+                delta = "".join(segment.text for segment in item)
+                yield sse({"type": "transcript.text.delta", "delta": delta})
+    except Exception as e:  # noqa: BLE001 - the stream has started: an error event ends it
+        from infire.server.errors import error_body
+
+        yield sse(json.dumps({"type": "error", **error_body(e)}))
