@@ -11,13 +11,16 @@ from infire.catalog.config import CatalogError, default_catalog, load_catalog, o
 from infire.models.loader import default_model_path
 
 
-def test_default_catalog_offers_chat_and_embeddings() -> None:
+def test_default_catalog_offers_chat_embeddings_and_speech() -> None:
     catalog = default_catalog()
     assert [(e.name, e.task) for e in catalog.entries] == [
-        ("smollm2-135m-instruct", "text-generation"), ("all-minilm-l6-v2", "text-embeddings")]  # fmt: skip
-    chat, embed = catalog.entries
+        ("smollm2-135m-instruct", "text-generation"), ("all-minilm-l6-v2", "text-embeddings"),
+        ("whisper-base", "automatic-speech-recognition")]  # fmt: skip
+    chat, embed, speech = catalog.entries
     assert chat.path == default_model_path() and chat.pin
     assert (embed.path / "config.json").is_file() and not embed.pin
+    assert (speech.path / "model.bin.part1").is_file() and not speech.pin
+    assert catalog.find("whisper-1") is speech and catalog.find("@cf/openai/whisper") is speech
     assert catalog.find("@cf/sentence-transformers/all-minilm-l6-v2") is embed
     assert catalog.find("@cf/other-author/All-MiniLM-L6-v2") is embed  # by its last part
     assert catalog.find("SMOLLM2-135M-INSTRUCT") is chat
