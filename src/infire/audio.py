@@ -45,7 +45,9 @@ def decode_audio(source: bytes | str | Path, sample_rate: int = SAMPLE_RATE) -> 
     try:
         with container:
             if not container.streams.audio:
-                raise InvalidRequestError("the file has no audio stream", param="file")
+                raise InvalidRequestError(
+                    "the file is not audio: it has no audio stream", param="file"
+                )
             stream = container.streams.audio[0]
             resampler = av.AudioResampler(format="flt", layout="mono", rate=sample_rate)
             for frame in container.decode(stream):

@@ -602,6 +602,51 @@ def _inspect_gguf(path: Path) -> int:
     return 0
 
 
+def cmd_transcribe(args: argparse.Namespace) -> int:
+    """A recording to text or subtitles on stdout; progress on stderr."""
+    import json
+
+    from infire.audio import decode_audio
+    from infire.models.whisper import load_whisper, whisper_base_path
+    from infire.models.whisper_tokenizer import LANGUAGES, WhisperTokenizer
+    from infire.server.speech import subtitles
+    from infire.speech import TranscribeOptions, transcribe
+
+    folder = Path(args.model) if args.model else whisper_base_path()
+    whisper = load_whisper(folder)
+    tokenizer = WhisperTokenizer(folder / "tokenizer.json")
+    samples = decode_audio(Path(args.file))
+    options = TranscribeOptions(task=args.task, language=args.language, beam_size=args.beam_size,
+                                word_timestamps=args.word_timestamps)  # fmt: skip
+    bar = None
+    if samples.size / 16000 > 30 and sys.stderr.isatty() or args.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=round(samples.size / 16000, 1), unit="s", file=sys.stderr, desc="audio")
+
+    def progress(done: float, total: float) -> None:
+        if bar is not None:
+            bar.update(round(done - bar.n, 1))
+
+    result = transcribe(whisper, tokenizer, samples, options, progress)
+    if bar is not None:
+        bar.close()
+    if args.format == "text":
+        print(result.text.strip())
+    elif args.format in ("srt", "vtt"):
+        print(subtitles(result, args.format), end="")
+    else:
+        print(json.dumps({
+            "text": result.text.strip(), "language": LANGUAGES.get(result.language, result.language),
+            "duration": round(result.duration, 2),
+            "segments": [{"start": s.start, "end": s.end, "text": s.text.strip(),
+                          **({"words": [{"word": w.word.strip(), "start": w.start, "end": w.end}
+                                        for w in s.words]} if args.word_timestamps else {})}
+                         for s in result.segments],
+        }, ensure_ascii=False, indent=2))  # fmt: skip
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `infire` command."""
     parser = argparse.ArgumentParser(prog="infire", description="LLM inference engine")
@@ -698,6 +743,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("path", help="compressed folder, or a .gguf file")
     inspect.set_defaults(func=cmd_inspect)
+    speech = commands.add_parser("transcribe", help="speech to text with Whisper (a file: any "
+                                 "format FFmpeg reads)")  # fmt: skip
+    speech.add_argument("file", help="the recording")
+    speech.add_argument("--model", help="a Whisper folder (Hugging Face or CTranslate2; "
+                        "default: the installed Whisper base)")  # fmt: skip
+    speech.add_argument("--language", help="ISO 639-1 code (default: detected)")
+    speech.add_argument("--task", choices=["transcribe", "translate"], default="transcribe",
+                        help="translate: into English (default: transcribe)")  # fmt: skip
+    speech.add_argument("--format", choices=["text", "srt", "vtt", "json"], default="text",
+                        help="output (default: text)")  # fmt: skip
+    speech.add_argument("--beam-size", type=int, default=1, help="1: greedy (default), else beams")
+    speech.add_argument("--word-timestamps", action="store_true", help="words' times in json")
+    speech.add_argument("--progress", action="store_true",
+                        help="a progress bar on stderr (default: for files over 30 s on a terminal)")  # fmt: skip
+    speech.set_defaults(func=cmd_transcribe)
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(
         dest="bench_command", required=True
     )

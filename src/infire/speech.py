@@ -297,6 +297,7 @@ class TranscribeOptions:
     logprob_threshold: float | None = -1.0
     no_speech_threshold: float | None = 0.6
     timestamps: bool = True
+    word_timestamps: bool = False
     max_new_tokens: int = 224
     seed: int = 0
 
@@ -313,6 +314,7 @@ class Segment:
     avg_logprob: float
     compression_ratio: float
     no_speech_prob: float
+    words: tuple[Word, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -423,18 +425,40 @@ class TranscriptionJob:
         found, seek_to = _segments(
             tokenizer, result.tokens, self.seek, size, self.seek / FRAMES_PER_SECOND
         )
+        words = self._words(encoded, found, size) if options.word_timestamps else [()] * len(found)
         new = []
-        for start, end, piece in found:
+        for (start, end, piece), timed in zip(found, words, strict=True):
             text = tokenizer.decode(piece)
             if text.strip():
                 new.append(Segment(len(self.segments) + len(new), self.seek, round(start, 2), round(end, 2),
-                                   text, piece, temperature, avg, ratio, result.no_speech_prob))  # fmt: skip
+                                   text, piece, temperature, avg, ratio, result.no_speech_prob, timed))  # fmt: skip
         self.segments += new
         self.tokens += result.tokens
         if not options.condition_on_previous_text or temperature > 0.5:
             self.prompt_reset = len(self.tokens)
         self.seek = seek_to
         return new
+
+    def _words(self, encoded: torch.Tensor, found: list, frames: int) -> list[tuple[Word, ...]]:
+        """Each segment's words, timed by the window's cross-attention alignment."""
+        tokenizer = self.tokenizer
+        per_segment = [[t for t in piece if t < tokenizer.eot] for _, _, piece in found]
+        prompt = tokenizer.sot_sequence(self.language, self.options.task, timestamps=False)
+        aligned = align_words(self.whisper, tokenizer, encoded, prompt,
+                              [t for piece in per_segment for t in piece], frames,
+                              self.language or "en")  # fmt: skip
+        offset = self.seek / FRAMES_PER_SECOND
+        out, at = [], 0
+        for piece in per_segment:
+            taken, words = 0, []
+            while at < len(aligned) and taken < len(piece):
+                word, tokens, start, end, probability = aligned[at]
+                words.append(Word(word, round(offset + start, 2), round(offset + end, 2),
+                                  round(probability, 4)))  # fmt: skip
+                taken += len(tokens)
+                at += 1
+            out.append(tuple(words))
+        return out
 
     def _needs_fallback(self, result: WindowResult) -> bool:
         options = self.options
@@ -505,3 +529,159 @@ def _segments(tokenizer: WhisperTokenizer, tokens: list[int], seek: int, size: i
         duration = (stamps[-1] - begin) * TIME_PRECISION
     out.append((offset, offset + duration, tokens))
     return out, seek + size
+
+
+# -- word timestamps: cross-attention alignment, as openai-whisper's ---------------------
+
+PREPEND_PUNCTUATION = "\"'“¿([{-"
+APPEND_PUNCTUATION = "\"'.。,，!！?？:：”)]}、"
+TOKENS_PER_SECOND = 50  # encoder frames a second (a timestamp step is 2 mel frames)
+UNSPACED = {"zh", "ja", "th", "lo", "my", "yue"}
+
+
+@dataclass(frozen=True, slots=True)
+class Word:
+    word: str
+    start: float
+    end: float
+    probability: float
+
+
+def alignment_heads(whisper: LoadedWhisper) -> list[tuple[int, int]]:
+    """The (layer, head) pairs whose cross-attention follows the audio: the model's own
+    list (config `alignment_heads`), else every head of the decoder's second half."""
+    heads = whisper.generation.get("alignment_heads")
+    if heads:
+        return [(int(layer), int(head)) for layer, head in heads]
+    config = whisper.config
+    return [(layer, head) for layer in range(config.decoder_layers // 2, config.decoder_layers)
+            for head in range(config.decoder_attention_heads)]  # fmt: skip
+
+
+def _median_filter(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Median over a sliding window of the last axis, the edges reflected."""
+    pad = width // 2
+    if x.shape[-1] <= pad:
+        return x
+    flat = x.reshape(-1, 1, x.shape[-1])
+    padded = torch.nn.functional.pad(flat, (pad, pad), mode="reflect").reshape(*x.shape[:-1], -1)
+    return padded.unfold(-1, width, 1).median(dim=-1).values
+
+
+def _dtw(cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The cheapest monotone path through cost [tokens, frames]: (token, frame) indices."""
+    n, m = cost.shape
+    total = np.full((n + 1, m + 1), np.inf)
+    total[0, 0] = 0
+    trace = np.zeros((n + 1, m + 1), np.int8)
+    for i in range(1, n + 1):
+        for j in range(1, m + 1):
+            options = (total[i - 1, j - 1], total[i - 1, j], total[i, j - 1])
+            k = int(np.argmin(options))
+            total[i, j] = cost[i - 1, j - 1] + options[k]
+            trace[i, j] = k
+    i, j, path = n, m, []
+    while i > 0 and j > 0:
+        path.append((i - 1, j - 1))
+        k = trace[i, j]
+        if k == 0:
+            i, j = i - 1, j - 1
+        elif k == 1:
+            i -= 1
+        else:
+            j -= 1
+    path.reverse()
+    array = np.array(path)
+    return array[:, 0], array[:, 1]
+
+
+def _split_words(tokenizer: WhisperTokenizer, tokens: list[int], language: str) -> list[list[int]]:
+    """Tokens grouped into words: a word starts at a token that starts with a space or is
+    punctuation (in languages without spaces, at each whole character)."""
+    words: list[list[int]] = []
+    for token in tokens:
+        if token >= tokenizer.eot:
+            words.append([token])
+            continue
+        text = tokenizer.decode([token])
+        starts = language in UNSPACED or not words or text.startswith(" ") or text.strip() in (
+            APPEND_PUNCTUATION + PREPEND_PUNCTUATION) or words[-1][-1] >= tokenizer.eot  # fmt: skip
+        complete = "\\ufffd" not in tokenizer.decode(words[-1]) if words else True
+        if starts and complete:
+            words.append([token])
+        else:
+            words[-1].append(token)
+    return words
+
+
+@torch.inference_mode()
+def align_words(
+    whisper: LoadedWhisper,
+    tokenizer: WhisperTokenizer,
+    encoded: torch.Tensor,
+    prompt: list[int],
+    text_tokens: list[int],
+    frames: int,
+    language: str,
+) -> list[tuple[str, list[int], float, float, float]]:
+    """(word, tokens, start, end, probability) of a window's text tokens, times in seconds
+    from the window's start: the decoder reads [prompt, text, <|endoftext|>] once, the
+    alignment heads' cross-attention over the window's `frames` mel frames is normalized
+    per frame, median-filtered (7) and averaged, and a monotone path (DTW) through it
+    gives each token its first frame."""
+    if not text_tokens:
+        return []
+    model = whisper.model
+    tokens = [*prompt, *text_tokens, tokenizer.eot]
+    logits: list[torch.Tensor] = []
+    out = model.decode(torch.tensor([tokens]), model.start(encoded), logits)
+    # each text token's probability among the text tokens, where the decoder wrote it
+    probs = torch.softmax(
+        out[0, len(prompt) - 1 : len(prompt) - 1 + len(text_tokens), : tokenizer.eot].float(), -1
+    )
+    token_probs = probs[torch.arange(len(text_tokens)), torch.tensor(text_tokens)]
+    weights = torch.stack([logits[layer][0, head] for layer, head in alignment_heads(whisper)])
+    weights = weights[:, :, : max(frames // 2, 1)].float().softmax(dim=-1)
+    std, mean = torch.std_mean(weights, dim=-2, keepdim=True, unbiased=False)
+    weights = _median_filter((weights - mean) / (std + 1e-9), 7)
+    matrix = weights.mean(dim=0)[len(prompt) - 1 : -1]  # the last prompt token's row onward
+    text_index, time_index = _dtw(-matrix.double().numpy())
+    words = _split_words(tokenizer, [*text_tokens, tokenizer.eot], language)
+    boundaries = np.pad(np.cumsum([len(w) for w in words[:-1]]), (1, 0))
+    jumps = np.pad(np.diff(text_index), (1, 0), constant_values=1).astype(bool)
+    jump_times = time_index[jumps] / TOKENS_PER_SECOND
+    starts, ends = jump_times[boundaries[:-1]], jump_times[boundaries[1:]]
+    found = []
+    for word_tokens, start, end, at in zip(words[:-1], starts, ends, boundaries[:-1], strict=True):
+        probability = float(token_probs[at : at + len(word_tokens)].mean())
+        found.append(
+            (tokenizer.decode(word_tokens), word_tokens, float(start), float(end), probability)
+        )
+    return _merge_punctuation(found)
+
+
+def _merge_punctuation(words: list) -> list:
+    """Opening punctuation joins the next word, closing punctuation the previous one."""
+    out = [list(w) for w in words]
+    i = len(out) - 2
+    while i >= 0:  # prepend, right to left
+        if (
+            out[i][0].startswith(" ")
+            and out[i][0].strip() in PREPEND_PUNCTUATION
+            and out[i][0].strip()
+        ):
+            out[i + 1][0] = out[i][0] + out[i + 1][0]
+            out[i + 1][1] = out[i][1] + out[i + 1][1]
+            out[i][0], out[i][1] = "", []
+        i -= 1
+    i = 1
+    while i < len(out):  # append, left to right
+        if not out[i][0].startswith(" ") and out[i][0] and out[i][0] in APPEND_PUNCTUATION:
+            j = i - 1
+            while j > 0 and not out[j][0]:
+                j -= 1
+            out[j][0] = out[j][0] + out[i][0]
+            out[j][1] = out[j][1] + out[i][1]
+            out[i][0], out[i][1] = "", []
+        i += 1
+    return [tuple(w) for w in out if w[0]]

@@ -147,7 +147,7 @@ def test_bad_input_gets_openai_errors(server: Server, clips, tmp_path: Path) -> 
     )
     assert_openai_error(post({"file": ("a.wav", wav)}, language="xx"), 400, "language")
     assert_openai_error(
-        post({"file": ("a.wav", wav)}, **{"timestamp_granularities[]": "word"}), 400
+        post({"file": ("a.wav", wav)}, **{"timestamp_granularities[]": "char"}), 400
     )
     assert_openai_error(post({"file": ("a.wav", wav)}, temperature="2"), 400, "temperature")
     # a model that is not a speech model, and chat sent to the speech model
@@ -161,3 +161,49 @@ def test_bad_input_gets_openai_errors(server: Server, clips, tmp_path: Path) -> 
     # the server goes on
     ok = post({"file": ("a.wav", wav)}, language="en")
     assert ok.status_code == 200 and ok.json()["text"]
+
+
+def test_word_timestamps_in_verbose_json(client, clips) -> None:
+    path, text = clips[3]
+    with path.open("rb") as f:
+        verbose = client.audio.transcriptions.create(
+            model=MODEL, file=f, response_format="verbose_json", language="en",
+            timestamp_granularities=["word", "segment"],
+        )  # fmt: skip
+    assert [w.word for w in verbose.words] == verbose.text.split()
+    assert all(a.start <= b.start for a, b in zip(verbose.words, verbose.words[1:], strict=False))
+    assert verbose.words[-1].end <= verbose.duration + 0.5
+
+
+def test_workers_ai_whisper_shapes(server: Server, clips) -> None:
+    import base64
+
+    path, text = clips[5]
+    raw = httpx.post(
+        f"{server.url}/ai/run/@cf/openai/whisper", content=path.read_bytes(), timeout=120
+    )
+    assert raw.status_code == 200, raw.text
+    result = raw.json()["result"]
+    assert set(result) == {"text", "word_count", "words", "vtt"}
+    assert wer([(text, result["text"])]) <= 0.15 and result["word_count"] == len(result["words"])
+    assert set(result["words"][0]) == {"word", "start", "end"} and result["vtt"].startswith(
+        "WEBVTT"
+    )
+    as_list = httpx.post(f"{server.url}/ai/run/@cf/openai/whisper", timeout=120,
+                         json={"audio": list(path.read_bytes())})  # fmt: skip
+    assert as_list.json()["result"]["text"] == result["text"]
+    turbo = httpx.post(f"{server.url}/ai/run/@cf/openai/whisper-large-v3-turbo", timeout=120,
+                       json={"audio": base64.b64encode(path.read_bytes()).decode(),
+                             "task": "transcribe", "language": "en"})  # fmt: skip
+    assert turbo.status_code == 200, turbo.text
+    body = turbo.json()["result"]
+    assert set(body) == {"transcription_info", "text", "word_count", "segments", "vtt"}
+    assert body["transcription_info"]["language"] == "en"
+    assert set(body["segments"][0]) == {"start", "end", "text", "temperature", "avg_logprob",
+                                        "compression_ratio", "no_speech_prob", "words"}  # fmt: skip
+    bad = httpx.post(f"{server.url}/ai/run/@cf/openai/whisper-large-v3-turbo", timeout=60,
+                     json={"audio": "not base64!"})  # fmt: skip
+    assert bad.status_code == 400 and bad.json()["success"] is False
+    vad = httpx.post(f"{server.url}/ai/run/@cf/openai/whisper-large-v3-turbo", timeout=60,
+                     json={"audio": base64.b64encode(path.read_bytes()).decode(), "vad_filter": True})  # fmt: skip
+    assert vad.status_code == 400 and "vad_filter" in vad.text

@@ -122,3 +122,27 @@ def test_timestamps_off_gives_one_segment_a_window(base, clips) -> None:
     assert len(plain.segments) == 1 and plain.segments[0].start == 0.0
     assert plain.segments[0].tokens[-1] < tokenizer.eot
     assert with_stamps.segments[0].tokens[0] >= tokenizer.timestamp_begin
+
+
+def test_word_timestamps_agree_with_faster_whispers(base, clips, tmp_path: Path) -> None:
+    """The same alignment (cross-attention heads, DTW) as openai-whisper's, which
+    faster-whisper ports: the words' times agree within a few encoder frames."""
+    from faster_whisper import WhisperModel
+
+    whisper, tokenizer = base
+    path, _ = clips[3]
+    ours = transcribe(whisper, tokenizer, decode_audio(path),
+                      TranscribeOptions(language="en", beam_size=5, word_timestamps=True))  # fmt: skip
+    words = [w for s in ours.segments for w in s.words]
+    assert "".join(w.word for w in words) == ours.text
+    assert all(a.start <= b.start for a, b in zip(words, words[1:], strict=False))
+    assert all(w.start <= w.end and 0 <= w.probability <= 1 for w in words)
+    model = WhisperModel(str(faster_whisper_folder(tmp_path / "fw")), device="cpu",
+                         compute_type="float32", cpu_threads=2)  # fmt: skip
+    segments, _ = model.transcribe(str(path), beam_size=5, language="en", word_timestamps=True)
+    theirs = [w for s in segments for w in s.words]
+    print([(w.word, w.start, w.end) for w in words], [(w.word, w.start, w.end) for w in theirs])
+    assert [w.word for w in words] == [w.word for w in theirs]
+    gaps = [abs(a.start - b.start) for a, b in zip(words, theirs, strict=True)]
+    gaps += [abs(a.end - b.end) for a, b in zip(words, theirs, strict=True)]
+    assert np.mean(gaps) <= 0.1 and max(gaps) <= 0.5, gaps

@@ -147,15 +147,25 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(dim, config.decoder_ffn_dim)
 
     def forward(
-        self, x: torch.Tensor, cache: list[torch.Tensor], cross: tuple[torch.Tensor, torch.Tensor]
+        self,
+        x: torch.Tensor,
+        cache: list[torch.Tensor],
+        cross: tuple[torch.Tensor, torch.Tensor],
+        logits: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """`logits`: where to append the cross-attention's q.k / sqrt(head_dim) [B, heads,
+        T, frames] (word alignment reads them)."""
         h = self.self_attn_layer_norm(x)
         k, v = self.self_attn.kv(h)
         if cache:
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
         cache[:] = [k, v]
         x = x + self.self_attn.attend(h, k, v, causal=True)
-        x = x + self.encoder_attn.attend(self.encoder_attn_layer_norm(x), *cross, causal=False)
+        h = self.encoder_attn_layer_norm(x)
+        if logits is not None:
+            q = self.encoder_attn.split(self.encoder_attn.q_proj(h))
+            logits.append(q @ cross[0].transpose(-1, -2) * self.encoder_attn.head_dim**-0.5)
+        x = x + self.encoder_attn.attend(h, *cross, causal=False)
         return x + self.mlp(self.final_layer_norm(x))
 
 
@@ -217,8 +227,11 @@ class Whisper(nn.Module):
         return DecoderCache([layer.encoder_attn.kv(encoded) for layer in self.decoder_layers])
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
-        """Logits [B, T, vocab] of `tokens` [B, T], the tokens after the cache's."""
+    def decode(
+        self, tokens: torch.Tensor, cache: DecoderCache, cross_logits: list | None = None
+    ) -> torch.Tensor:
+        """Logits [B, T, vocab] of `tokens` [B, T], the tokens after the cache's
+        (`cross_logits`: each layer's cross-attention logits are appended to it)."""
         start = cache.length
         if start + tokens.shape[1] > self.config.max_target_positions:
             raise ValueError(f"the decoder holds {self.config.max_target_positions} tokens")
@@ -226,7 +239,7 @@ class Whisper(nn.Module):
         if not cache.self_kv:
             cache.self_kv = [[] for _ in self.decoder_layers]
         for layer, kv, cross in zip(self.decoder_layers, cache.self_kv, cache.cross, strict=True):
-            x = layer(x, kv, cross)
+            x = layer(x, kv, cross, cross_logits)
         cache.length = start + tokens.shape[1]
         return self.decoder_norm(x) @ self.embed_tokens.weight.T
 

@@ -34,7 +34,7 @@ from infire.catalog.manager import request_leases
 from infire.config import EngineConfig
 from infire.errors import InfireError
 from infire.server import catalog as catalog_routes
-from infire.server import encoders, openai, speech, workers_ai
+from infire.server import encoders, openai, realtime, speech, workers_ai
 from infire.server.catalog import ServedModels
 from infire.server.errors import APIError, error_response, json_object
 from infire.server.metrics import CONTENT_TYPE
@@ -101,7 +101,8 @@ def build_app(models: ServedModels, config: ServerConfig, lifespan: Any = None) 
     app.include_router(openai.build_router(models.generative, models.listing))
     app.include_router(encoders.build_router(models.encoder))
     app.include_router(speech.build_router(models.speech, config.max_audio_seconds))
-    app.include_router(workers_ai.build_router(models.any))
+    app.include_router(realtime.build_router(models.speech))
+    app.include_router(workers_ai.build_router(models.any, config.max_audio_seconds))
     app.include_router(catalog_routes.build_router(models))
 
     @app.get("/health")
@@ -153,6 +154,20 @@ class _Guard:
         self.config = config
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":  # realtime: the API key, then the session
+            headers = {
+                k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]
+            }
+            key = self.config.api_key
+            if key and headers.get("authorization") != f"Bearer {key}":
+                await send(
+                    {
+                        "type": "websocket.close",
+                        "code": 1008,
+                        "reason": "invalid or missing API key",
+                    }
+                )
+                return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

@@ -6,12 +6,23 @@ webm, m4a, ...: anything FFmpeg reads), `model`, `language` (transcriptions: ISO
 detected where absent), `prompt` (text the first window follows, as openai-whisper's
 initial prompt), `temperature` (0: openai-whisper's fallback from 0 up to 1 where a
 window's text fails its checks; above 0: that temperature alone),
-`timestamp_granularities[]` (`segment`) and `response_format`:
+`timestamp_granularities[]` (`segment`, `word`: words timed by the cross-attention
+alignment, as openai-whisper's word_timestamps) and `response_format`:
 - `json`: {"text", "usage": {"type": "duration", "seconds"}};
 - `text`: the text alone; `srt` and `vtt`: subtitles, one cue a segment;
 - `verbose_json`: task, language (its English name), duration, text and the segments
   (id, seek, start, end, text, tokens, temperature, avg_logprob, compression_ratio,
-  no_speech_prob), as OpenAI's whisper-1 answers.
+  no_speech_prob) and, with `word`, the words ({word, start, end}), as OpenAI's whisper-1
+  answers.
+
+Workers AI (`/ai/run/{model}` on a speech model), by the name the request uses:
+- `@cf/openai/whisper` (and any other name): the audio's raw bytes as the body (or JSON
+  `{"audio": [bytes as integers]}`) -> {text, word_count, words: [{word, start, end}], vtt};
+- `@cf/openai/whisper-large-v3-turbo`: JSON {audio: base64, task, language,
+  initial_prompt, prefix, vad_filter} -> {transcription_info: {language,
+  language_probability, duration, duration_after_vad}, text, word_count, segments: [{start,
+  end, text, temperature, avg_logprob, compression_ratio, no_speech_prob, words}], vtt}.
+  `vad_filter: true` is refused (no VAD yet).
 
 `stream=true` answers server-sent events: `transcript.text.delta` with each window's new
 text as it is decoded, then `transcript.text.done` with the whole text and the usage.
@@ -24,6 +35,7 @@ not a speech model (400); the request's model is looked up under a lease as ever
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -35,7 +47,7 @@ from starlette.datastructures import UploadFile
 from infire.audio import SAMPLE_RATE, decode_audio
 from infire.errors import InvalidRequestError
 from infire.models.whisper_tokenizer import LANGUAGES
-from infire.server.errors import APIError
+from infire.server.errors import APIError, json_object
 from infire.server.openai import SSE_HEADERS, sse
 from infire.speech import TranscribeOptions, Transcription
 
@@ -80,11 +92,8 @@ async def _answer(request: Request, task: str, speech: Callable[[str], Awaitable
         "timestamp_granularities"
     )
     for value in granularities:
-        if value == "word":
-            raise InvalidRequestError("word timestamps are not supported yet; ask for `segment`",
-                                      param="timestamp_granularities[]")  # fmt: skip
-        if value != "segment":
-            raise InvalidRequestError("timestamp_granularities[] takes `segment`",
+        if value not in ("segment", "word"):
+            raise InvalidRequestError("timestamp_granularities[] takes `segment` and `word`",
                                       param="timestamp_granularities[]")  # fmt: skip
     temperature = _number(_field(form, "temperature") or "0", "temperature")
     if not 0 <= temperature <= 1:
@@ -100,14 +109,14 @@ async def _answer(request: Request, task: str, speech: Callable[[str], Awaitable
                             f"server's {max_audio_seconds:g} s", param="file")  # fmt: skip
     options = TranscribeOptions(
         task=task, language=language, temperatures=FALLBACK if temperature == 0 else (temperature,),
-        initial_prompt=_field(form, "prompt") or None,
+        initial_prompt=_field(form, "prompt") or None, word_timestamps="word" in granularities,
     )  # fmt: skip
     job = await asyncio.to_thread(engine.job, samples, options)  # checks it; the features
     if stream:
         return StreamingResponse(_events(engine, job), media_type="text/event-stream",
                                  headers=SSE_HEADERS)  # fmt: skip
     result: Transcription = await engine.transcribe(job)
-    return _formatted(result, task, response_format)
+    return _formatted(result, task, response_format, "word" in granularities)
 
 
 def _field(form: Any, name: str) -> str | None:
@@ -128,7 +137,7 @@ def _usage(result: Transcription) -> dict:
     return {"type": "duration", "seconds": max(1, round(result.duration))}
 
 
-def _formatted(result: Transcription, task: str, response_format: str) -> Any:
+def _formatted(result: Transcription, task: str, response_format: str, words: bool = False) -> Any:
     text = result.text.strip()
     if response_format == "text":
         return PlainTextResponse(text + "\n")
@@ -140,10 +149,77 @@ def _formatted(result: Transcription, task: str, response_format: str) -> Any:
                  "tokens": s.tokens, "temperature": s.temperature, "avg_logprob": s.avg_logprob,
                  "compression_ratio": s.compression_ratio, "no_speech_prob": s.no_speech_prob}
                 for s in result.segments]  # fmt: skip
-    return {"task": "translate" if task == "translate" else "transcribe",
-            "language": LANGUAGES.get(result.language, result.language),
-            "duration": round(result.duration, 2), "text": text, "segments": segments,
-            "usage": _usage(result)}  # fmt: skip
+    out = {"task": "translate" if task == "translate" else "transcribe",
+           "language": LANGUAGES.get(result.language, result.language),
+           "duration": round(result.duration, 2), "text": text, "segments": segments,
+           "usage": _usage(result)}  # fmt: skip
+    if words:
+        out["words"] = _words(result)
+    return out
+
+
+def _words(result: Transcription) -> list[dict]:
+    return [{"word": w.word.strip(), "start": w.start, "end": w.end}
+            for segment in result.segments for w in segment.words]  # fmt: skip
+
+
+async def workers_ai_run(
+    engine: Any, request: Request, model: str, max_audio_seconds: float
+) -> dict:
+    """The `result` of /ai/run/{model} for a speech model, in the shape the name asks."""
+    body = await request.body()
+    turbo = "large-v3-turbo" in model
+    raw: dict = {}
+    if body[:1] == b"{":
+        raw = json_object(body)
+        audio = raw.get("audio")
+        if isinstance(audio, str):
+            try:
+                data = base64.b64decode(audio, validate=True)
+            except ValueError:
+                raise InvalidRequestError("audio must be base64", param="audio") from None
+        elif isinstance(audio, list) and all(isinstance(b, int) and 0 <= b < 256 for b in audio):
+            data = bytes(audio)
+        else:
+            raise InvalidRequestError("audio (base64, or a list of byte values) is required",
+                                      param="audio")  # fmt: skip
+    else:
+        data = body
+    if not data:
+        raise InvalidRequestError("the audio is empty", param="audio")
+    if raw.get("vad_filter"):
+        raise InvalidRequestError("vad_filter is not supported yet", param="vad_filter")
+    task = raw.get("task", "transcribe")
+    samples = await asyncio.to_thread(decode_audio, data)
+    if samples.size > max_audio_seconds * SAMPLE_RATE:
+        raise APIError(413, f"the audio lasts {samples.size / SAMPLE_RATE:.1f} s, more than this "
+                            f"server's {max_audio_seconds:g} s", param="audio")  # fmt: skip
+    options = TranscribeOptions(
+        task=task if isinstance(task, str) else "", language=raw.get("language") or None,
+        initial_prompt=raw.get("initial_prompt") or None, prefix=raw.get("prefix") or None,
+        word_timestamps=True,
+    )  # fmt: skip
+    job = await asyncio.to_thread(engine.job, samples, options)
+    result: Transcription = await engine.transcribe(job)
+    words = _words(result)
+    text = result.text.strip()
+    if not turbo:
+        return {
+            "text": text,
+            "word_count": len(words),
+            "words": words,
+            "vtt": subtitles(result, "vtt"),
+        }
+    segments = [{"start": s.start, "end": s.end, "text": s.text.strip(), "temperature": s.temperature,
+                 "avg_logprob": s.avg_logprob, "compression_ratio": s.compression_ratio,
+                 "no_speech_prob": s.no_speech_prob,
+                 "words": [{"word": w.word.strip(), "start": w.start, "end": w.end} for w in s.words]}
+                for s in result.segments]  # fmt: skip
+    info = {"language": result.language,
+            "language_probability": result.language_probs.get(result.language, 1.0),
+            "duration": round(result.duration, 3), "duration_after_vad": round(result.duration, 3)}  # fmt: skip
+    return {"transcription_info": info, "text": text, "word_count": len(words),
+            "segments": segments, "vtt": subtitles(result, "vtt")}  # fmt: skip
 
 
 def subtitles(result: Transcription, kind: str) -> str:

@@ -22,7 +22,7 @@ from fastapi.responses import StreamingResponse
 from infire.engine import RequestDelta
 from infire.errors import InfireError, InvalidRequestError
 from infire.outputs import RequestOutput
-from infire.server import encoders, tools
+from infire.server import encoders, speech, tools
 from infire.server.errors import error_body, json_object
 from infire.server.openai import SSE_HEADERS, sse
 from infire.server.protocol import WorkersAIRequest
@@ -34,7 +34,8 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
             "total_tokens": prompt + completion}  # fmt: skip
 
 
-def build_router(models: Callable[[str], Awaitable[Any]]) -> APIRouter:
+def build_router(models: Callable[[str], Awaitable[Any]], max_audio_seconds: float = 3600.0
+                 ) -> APIRouter:  # fmt: skip
     """The /ai/run route over the model `models(model)` gives: a Serving, or an encoder
     (embeddings, reranking, classification: server/encoders.py)."""
     router = APIRouter()
@@ -43,10 +44,8 @@ def build_router(models: Callable[[str], Awaitable[Any]]) -> APIRouter:
     async def run(model: str, request: Request) -> Any:
         serving = await models(model)
         if getattr(serving, "task", None) == "automatic-speech-recognition":
-            raise InvalidRequestError(
-                "Workers AI's speech shapes are not served yet: send the audio to "
-                "/v1/audio/transcriptions", param="model",
-            )  # fmt: skip
+            result = await speech.workers_ai_run(serving, request, model, max_audio_seconds)
+            return {"result": result, "success": True, "errors": [], "messages": []}
         if not isinstance(serving, Serving):
             result = await encoders.workers_ai_run(serving, request)
             return {"result": result, "success": True, "errors": [], "messages": []}
