@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
 .PHONY: install serve chat test lint format bench bench-serve bench-unweight bench-gateway \
-	bench-parallel bench-moe bench-disagg bench-catalog bench-structured bench-gguf
+	bench-parallel bench-moe bench-disagg bench-catalog bench-structured bench-gguf bench-speech
 
 install: $(STAMP)
 
@@ -76,6 +76,9 @@ bench-structured: install
 # llama.cpp runs from .bench-venv (docs/benchmarks.md says how to build it)
 bench-gguf: install
 	$(BIN)/python benchmarks/bench_gguf.py
+
+bench-speech: install
+	$(BIN)/python benchmarks/bench_speech.py
 
 # LiteLLM's proxy lives in its own venv (git-ignored), apart from infire's dependencies.
 bench-gateway: install

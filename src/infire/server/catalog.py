@@ -188,33 +188,27 @@ class ServedModels:
 
     async def generative(self, model: str) -> Serving:
         """The generative model `model` names, loaded, under the request's lease."""
-        slot = self.manager.find(model)
-        if slot.entry.task != GENERATIVE:
-            raise InvalidRequestError(
-                f"model {slot.entry.name!r} does {TASKS[slot.entry.task].lower()}, not text "
-                "generation", param="model",
-            )  # fmt: skip
-        return await self.manager.acquire(slot)
+        return await self._of_task(model, (GENERATIVE,), "not text generation")
 
     async def encoder(self, model: str) -> Any:
         """The encoder model `model` names (embeddings, reranking, classification)."""
-        slot = self.manager.find(model)
-        if slot.entry.task in (GENERATIVE, SPEECH):
-            does = "generates text" if slot.entry.task == GENERATIVE else "recognizes speech"
-            raise InvalidRequestError(
-                f"model {slot.entry.name!r} {does}; it has no embeddings, reranking or "
-                "classification", param="model",
-            )  # fmt: skip
-        return await self.manager.acquire(slot)
+        tasks = tuple(task for task in TASKS if task not in (GENERATIVE, SPEECH))
+        return await self._of_task(
+            model, tasks, "and has no embeddings, reranking or classification"
+        )
 
     async def speech(self, model: str) -> Any:
         """The speech model `model` names (a SpeechEngine)."""
+        return await self._of_task(model, (SPEECH,), "not speech recognition")
+
+    async def _of_task(self, model: str, tasks: tuple[str, ...], refusal: str) -> Any:
+        """The model `model` names if its task is one of `tasks` (else a 400 that says what
+        it does), loaded, under the request's lease."""
         slot = self.manager.find(model)
-        if slot.entry.task != SPEECH:
-            raise InvalidRequestError(
-                f"model {slot.entry.name!r} does {TASKS[slot.entry.task].lower()}, not "
-                "speech recognition", param="model",
-            )  # fmt: skip
+        task = slot.entry.task
+        if task not in tasks:
+            does = "generates text" if task == GENERATIVE else f"does {TASKS[task].lower()}"
+            raise InvalidRequestError(f"model {slot.entry.name!r} {does}, {refusal}", param="model")
         return await self.manager.acquire(slot)
 
     async def any(self, model: str) -> Any:
