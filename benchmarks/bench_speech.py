@@ -135,7 +135,9 @@ def child(engine: str, paths: list[str]) -> dict:
 
             features = extractor(batch, sampling_rate=16000, return_tensors="pt").input_features
             with torch.inference_mode():
-                out = model.generate(features, language="en", task="transcribe", do_sample=False)
+                out = model.generate(
+                    features, language="en", task="transcribe", do_sample=False, max_new_tokens=440
+                )  # the decoder holds 448
             tokenizer = WhisperTokenizer(whisper_base_path() / "tokenizer.json")
             return [tokenizer.decode(row) for row in out.tolist()]
 
