@@ -436,7 +436,8 @@ class TranscriptionJob:
         self.tokens += result.tokens
         if not options.condition_on_previous_text or temperature > 0.5:
             self.prompt_reset = len(self.tokens)
-        self.seek = seek_to
+        # a window whose last timestamp is its first frame would start again where it did
+        self.seek = seek_to if seek_to > self.seek else self.seek + size
         return new
 
     def _words(self, encoded: torch.Tensor, found: list, frames: int) -> list[tuple[Word, ...]]:
