@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_gguf import _status  # /proc/self/status fields, as that benchmark reads them
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 ENGINES = ["infire", "faster-whisper int8", "faster-whisper float32", "transformers"]
@@ -66,12 +68,6 @@ def clips() -> list[tuple[Path, str]]:
     return out
 
 
-def status(field: str) -> int:
-    """A /proc/self/status field in bytes (VmRSS, VmHWM)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
-
-
 def child(engine: str, paths: list[str]) -> dict:
     """One engine: load, one clip alone (twice: the second is timed), then 8 at once."""
     import torch
@@ -83,7 +79,7 @@ def child(engine: str, paths: list[str]) -> dict:
     from infire.models.whisper import whisper_base_path
 
     audio = [decode_audio(p) for p in paths]
-    base = status("VmRSS")
+    base = _status("VmRSS")
     if engine == "infire":
         import asyncio
 
@@ -144,7 +140,7 @@ def child(engine: str, paths: list[str]) -> dict:
         def one(a: np.ndarray) -> str:
             return many([a])[0]
 
-    loaded = status("VmRSS")
+    loaded = _status("VmRSS")
     one(audio[0])  # warm up
     start = time.perf_counter()
     text = one(audio[0])
@@ -152,7 +148,7 @@ def child(engine: str, paths: list[str]) -> dict:
     start = time.perf_counter()
     texts = many(audio)
     together = time.perf_counter() - start
-    return {"load_rss": loaded - base, "peak_rss": status("VmHWM") - base, "alone_s": alone,
+    return {"load_rss": loaded - base, "peak_rss": _status("VmHWM") - base, "alone_s": alone,
             "together_s": together, "text": text, "texts": texts,
             "audio_s": [a.size / 16000 for a in audio]}  # fmt: skip
 

@@ -103,10 +103,7 @@ async def _answer(request: Request, task: str, speech: Callable[[str], Awaitable
     data = await upload.read()
     if not data:
         raise InvalidRequestError("the file is empty", param="file")
-    samples = await asyncio.to_thread(decode_audio, data)
-    if samples.size > max_audio_seconds * SAMPLE_RATE:
-        raise APIError(413, f"the audio lasts {samples.size / SAMPLE_RATE:.1f} s, more than this "
-                            f"server's {max_audio_seconds:g} s", param="file")  # fmt: skip
+    samples = await _samples(data, max_audio_seconds, "file")
     options = TranscribeOptions(
         task=task, language=language, temperatures=FALLBACK if temperature == 0 else (temperature,),
         initial_prompt=_field(form, "prompt") or None, word_timestamps="word" in granularities,
@@ -117,6 +114,15 @@ async def _answer(request: Request, task: str, speech: Callable[[str], Awaitable
                                  headers=SSE_HEADERS)  # fmt: skip
     result: Transcription = await engine.transcribe(job)
     return _formatted(result, task, response_format, "word" in granularities)
+
+
+async def _samples(data: bytes, max_audio_seconds: float, param: str) -> Any:
+    """The upload decoded to 16 kHz samples (off the event loop); 413 past the maximum."""
+    samples = await asyncio.to_thread(decode_audio, data)
+    if samples.size > max_audio_seconds * SAMPLE_RATE:
+        raise APIError(413, f"the audio lasts {samples.size / SAMPLE_RATE:.1f} s, more than this "
+                            f"server's {max_audio_seconds:g} s", param=param)  # fmt: skip
+    return samples
 
 
 def _field(form: Any, name: str) -> str | None:
@@ -190,10 +196,7 @@ async def workers_ai_run(
     if raw.get("vad_filter"):
         raise InvalidRequestError("vad_filter is not supported yet", param="vad_filter")
     task = raw.get("task", "transcribe")
-    samples = await asyncio.to_thread(decode_audio, data)
-    if samples.size > max_audio_seconds * SAMPLE_RATE:
-        raise APIError(413, f"the audio lasts {samples.size / SAMPLE_RATE:.1f} s, more than this "
-                            f"server's {max_audio_seconds:g} s", param="audio")  # fmt: skip
+    samples = await _samples(data, max_audio_seconds, "audio")
     options = TranscribeOptions(
         task=task if isinstance(task, str) else "", language=raw.get("language") or None,
         initial_prompt=raw.get("initial_prompt") or None, prefix=raw.get("prefix") or None,
