@@ -628,14 +628,14 @@ static inline __attribute__((always_inline)) void prefetch_rows(
  * Interleaved rows. Q4_0, Q4_1, Q8_0 and Q4_K parts whose rows are whole and a multiple of
  * 16 are copied once at load into groups of 16 rows (cpu_forward.py can_interleave; Q4_K
  * not where AVX512-VNNI's products are in use): the same bytes in another order (a part
- * takes the same memory). Per block, a group stores its 16 rows' 2-byte fields (see
- * group_layout), then their other bytes 4 of a row at a time: bytes 4 k .. 4 k + 3 of the
- * 16 rows form 64-byte vector k, row i in 32-bit lane i. One `vpdpbusd` of such a vector
- * with 4 of a token's activation codes broadcast sums 4 products for each of the 16 rows
- * (the 256-bit kernels take a vector as two halves of 8 rows), and a token's 16 results
- * come out as vectors. Q8_0's codes are stored + 128 (unsigned; the offset takes it back),
- * the others' bytes as the file has them (a Q4 byte's low nibble is value j, its high one
- * j + 16).
+ * takes the same memory, the same bits). Per block, a group stores its 16 rows' 2-byte
+ * fields (see group_layout), then their other bytes. Q8_0's, 4 of a row at a time: bytes
+ * 4 k .. 4 k + 3 of the 16 rows form 64-byte vector k, row i in 32-bit lane i, its codes
+ * stored + 128 (unsigned; the offset takes it back). One `vpdpbusd` of such a vector with 4
+ * of a token's activation codes broadcast sums 4 products for each of the 16 rows (the
+ * 256-bit kernels take a vector as two halves of 8 rows). The 4-bit codes of Q4_0, Q4_1
+ * and Q4_K, as nibble_group_codes: 4 values of 16 rows in 32 bytes, rows 0-7 in the low
+ * nibbles and 8-15 in the high ones. A token's 16 results come out as vectors.
  */
 #define GROUP_ROWS 16
 
@@ -663,8 +663,27 @@ static inline long block_bytes(int type) {
     return value_offset(type, is_k_quant(type) ? QK_BLOCK : QX_BLOCK);
 }
 
+/* The 4-bit codes of Q4_0, Q4_1 (32 values a block) and Q4_K (8 sub-blocks of 32) in a
+ * group: per 32 values and values 4 k .. 4 k + 3 of them, one 32-byte vector, 8 s + k for
+ * sub-block s: lane i (32 bits) holds those 4 values of row i in its bytes' low nibbles and
+ * of row i + 8 in their high ones, so that one broadcast of 4 activations meets 16 rows.
+ * The file's byte v holds values v and v + 16 of a legacy block; byte 32 c + v, value v of
+ * Q4_K sub-blocks 2 c and 2 c + 1. Row i's codes `qs` (as in the file) <-> the group's
+ * `codes` (to_group: which way; the other row's nibbles are kept). */
+static inline void nibble_group_codes(int type, uint8_t *qs, uint8_t *codes, int i, int to_group) {
+    const int lane = i % 8, shift = 4 * (i / 8), subs = type == GGML_Q4_K ? 8 : 1;
+    for (int s = 0; s < subs; s++)
+        for (int v = 0; v < 32; v++) {
+            uint8_t *g = codes + 32 * (8 * s + v / 4) + 4 * lane + v % 4;
+            uint8_t *f = subs == 8 ? qs + 32 * (s / 2) + v : qs + v % 16;
+            const int at = subs == 8 ? 4 * (s % 2) : 4 * (v / 16);
+            if (to_group) *g = (uint8_t)((*g & ~(0xF << shift)) | ((*f >> at) & 0xF) << shift);
+            else *f = (uint8_t)((*f & ~(0xF << at)) | ((*g >> shift) & 0xF) << at);
+        }
+}
+
 /* Row i of a group's block `out` <-> the file's block `blk` (to_group: which way). Q8_0's
- * codes are stored + 128. */
+ * codes are stored + 128, 4-bit ones as nibble_group_codes. */
 static inline void group_block_row(int type, uint8_t *blk, uint8_t *out, int i, int to_group) {
     const GroupLayout l = group_layout(type);
     const uint8_t flip = type == GGML_Q8_0 ? 0x80 : 0;
@@ -672,11 +691,14 @@ static inline void group_block_row(int type, uint8_t *blk, uint8_t *out, int i, 
     for (int f = 0; f < l.halves; f++, o += 2 * GROUP_ROWS)
         to_group ? memcpy(out + o + 2 * i, blk + l.half_at[f], 2) : memcpy(blk + l.half_at[f], out + o + 2 * i, 2);
     for (int r = 0; r < l.runs; o += GROUP_ROWS * l.run_len[r], r++)
-        for (int j = 0; j < l.run_len[r]; j++) {
-            uint8_t *g = out + o + 64 * (j / 4) + 4 * i + j % 4, *f = blk + l.run_at[r] + j;
-            if (to_group) *g = *f ^ flip;
-            else *f = *g ^ flip;
-        }
+        if (type != GGML_Q8_0 && r == l.runs - 1)
+            nibble_group_codes(type, blk + l.run_at[r], out + o, i, to_group);
+        else
+            for (int j = 0; j < l.run_len[r]; j++) {
+                uint8_t *g = out + o + 64 * (j / 4) + 4 * i + j % 4, *f = blk + l.run_at[r] + j;
+                if (to_group) *g = *f ^ flip;
+                else *f = *g ^ flip;
+            }
 }
 
 /* Exported: `rows` rows (a multiple of 16) of a Q4_0, Q4_1, Q8_0 or Q4_K part, row r
@@ -1202,17 +1224,14 @@ static inline AVX512 __attribute__((always_inline)) void rows16_typed(
             const __m512 off = type == GGML_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
                                                  : _mm512_mul_ps(d, _mm512_set1_ps(four ? -8.0f : -128.0f));
             const uint8_t *codes = blk + GROUP_ROWS * sb;
-            __m512i u[8];
-            int col[8]; /* the first of the 4 values each vector's lanes hold */
-            for (int k = 0; k < 4 + 4 * !four; k++) {
-                __m512i v = _mm512_loadu_si512(codes + 64 * k);
-                if (four) {
-                    u[k] = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
-                    u[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
-                    col[k] = 4 * k, col[k + 4] = 16 + 4 * k;
+            __m512i u[8]; /* u[k]: values 4 k .. 4 k + 3, row i in lane i */
+            for (int k = 0; k < 8; k++)
+                if (four) { /* rows 0-7 from the low nibbles, 8-15 from the high */
+                    const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(codes + 32 * k)));
+                    u[k] = _mm512_and_si512(_mm512_srlv_epi16(v, _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1)),
+                                            _mm512_set1_epi8(0x0F));
                 } else
-                    u[k] = v, col[k] = 4 * k;
-            }
+                    u[k] = _mm512_loadu_si512(codes + 64 * k);
             for (int j = 0; j < G_TOKENS; j++) {
                 if (j >= count) break;
                 const long t = t0 + j;
@@ -1220,8 +1239,8 @@ static inline AVX512 __attribute__((always_inline)) void rows16_typed(
                 __m512i dot0 = _mm512_setzero_si512(), dot1 = dot0;
                 for (int k = 0; k < 8; k += 2) {
                     int32_t a, c;
-                    memcpy(&a, q + col[k], 4);
-                    memcpy(&c, q + col[k + 1], 4);
+                    memcpy(&a, q + 4 * k, 4);
+                    memcpy(&c, q + 4 * k + 4, 4);
                     dot0 = _mm512_dpbusd_epi32(dot0, u[k], _mm512_set1_epi32(a));
                     dot1 = _mm512_dpbusd_epi32(dot1, u[k + 1], _mm512_set1_epi32(c));
                 }
@@ -1242,21 +1261,17 @@ static AVX512 void rows16_dots512(int type, const uint8_t *group, int nt, const 
 }
 
 #define G2_TOKENS 4 /* at most this many tokens' sums stay in registers in the 256-bit group
-                        * kernels: `tk` of them, 2 or 4 (see rows16_dots256) */
+                     * kernels: `tk` of them (see rows16_dots256) */
 
-/* The same with 256-bit vectors (AVX2, and the 256-bit VNNI ISAs): a group's 64-byte
- * vectors taken as two halves of 8 rows. Q4_0 and Q4_1's 8 `vpmaddubsw` per block (pair
- * sums of codes 0..15 times activations |q| <= 127: at most 3810) add up in 16 bits (at
- * most 30480) before one `vpmaddwd` widens them. Q8_0's codes are turned back to signed
- * and meet the activations as |w| and q with w's sign (pair sums <= 32512, widened one by
- * one), so its offset is 0. Per (row, token) the operations are fixed, whatever the
- * batch. */
-static inline __attribute__((always_inline)) void rows16_avx2_typed(
-    const int type, const int tk, const uint8_t *group, int nt, const QuantX *x, float *out) {
+/* The same with 256-bit vectors (AVX2, and the 256-bit VNNI ISAs), Q8_0: a group's 64-byte
+ * vectors taken as two halves of 8 rows. The codes are turned back to signed and meet the
+ * activations as |w| and q with w's sign (pair sums <= 32512, widened one by one), so the
+ * offset is 0. Per (row, token) the operations are fixed, whatever the batch. */
+static inline __attribute__((always_inline)) void rows16_q8_0(const int tk, const uint8_t *group,
+                                                              int nt, const QuantX *x, float *out) {
     const int cols = x->cols, blocks = cols / QX_BLOCK, qs = q_stride(cols), xs = x_stride(cols);
-    const long size = GROUP_ROWS * value_offset(type, QX_BLOCK);
-    const int four = type != GGML_Q8_0, sb = group_scale_bytes(type);
-    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const long size = GROUP_ROWS * value_offset(GGML_Q8_0, QX_BLOCK);
+    const __m256i ones = _mm256_set1_epi16(1);
     for (int t0 = 0; t0 < nt; t0 += tk) {
         const int count = nt - t0 < tk ? nt - t0 : tk;
         __m256 acc[2][G2_TOKENS];
@@ -1268,58 +1283,87 @@ static inline __attribute__((always_inline)) void rows16_avx2_typed(
                 prefetch_group_block(blk, size);
             for (int h = 0; h < 2; h++) {
                 const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
-                __m256 off = _mm256_setzero_ps();
-                if (type == GGML_Q4_1) off = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)));
-                if (type == GGML_Q4_0) off = _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-                const uint8_t *codes = blk + GROUP_ROWS * sb + 32 * h;
+                const uint8_t *codes = blk + GROUP_ROWS * group_scale_bytes(GGML_Q8_0) + 32 * h;
                 __m256i u[8];
-                int col[8]; /* the first of the 4 values each vector's lanes hold */
-                for (int k = 0; k < 4 + 4 * !four; k++) {
-                    __m256i v = _mm256_loadu_si256((const __m256i *)(codes + 64 * k));
-                    if (four) {
-                        u[k] = _mm256_and_si256(v, low4);
-                        u[k + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                        col[k] = 4 * k, col[k + 4] = 16 + 4 * k;
-                    } else
-                        u[k] = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)), col[k] = 4 * k;
-                }
+                for (int k = 0; k < 8; k++)
+                    u[k] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(codes + 64 * k)),
+                                            _mm256_set1_epi8((char)0x80));
                 for (int j = 0; j < tk; j++) {
                     if (j >= count) break;
                     const long t = t0 + j;
                     const int8_t *q = x->q + t * qs + QX_BLOCK * b;
-                    __m256i dot;
-                    if (four) {
-                        __m256i s = _mm256_setzero_si256();
-                        for (int k = 0; k < 8; k++) {
-                            int32_t a;
-                            memcpy(&a, q + col[k], 4);
-                            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u[k], _mm256_set1_epi32(a)));
-                        }
-                        dot = _mm256_madd_epi16(s, ones);
-                    } else {
-                        __m256i d0 = _mm256_setzero_si256(), d1 = d0;
-                        for (int k = 0; k < 8; k += 2) {
-                            int32_t a, c;
-                            memcpy(&a, q + col[k], 4);
-                            memcpy(&c, q + col[k + 1], 4);
-                            __m256i p0 = _mm256_maddubs_epi16(_mm256_sign_epi8(u[k], u[k]),
-                                                              _mm256_sign_epi8(_mm256_set1_epi32(a), u[k]));
-                            __m256i p1 = _mm256_maddubs_epi16(_mm256_sign_epi8(u[k + 1], u[k + 1]),
-                                                              _mm256_sign_epi8(_mm256_set1_epi32(c), u[k + 1]));
-                            d0 = _mm256_add_epi32(d0, _mm256_madd_epi16(p0, ones));
-                            d1 = _mm256_add_epi32(d1, _mm256_madd_epi16(p1, ones));
-                        }
-                        dot = _mm256_add_epi32(d0, d1);
+                    __m256i d0 = _mm256_setzero_si256(), d1 = d0;
+                    for (int k = 0; k < 8; k += 2) {
+                        int32_t a, c;
+                        memcpy(&a, q + 4 * k, 4);
+                        memcpy(&c, q + 4 * k + 4, 4);
+                        __m256i p0 = _mm256_maddubs_epi16(_mm256_sign_epi8(u[k], u[k]),
+                                                          _mm256_sign_epi8(_mm256_set1_epi32(a), u[k]));
+                        __m256i p1 = _mm256_maddubs_epi16(_mm256_sign_epi8(u[k + 1], u[k + 1]),
+                                                          _mm256_sign_epi8(_mm256_set1_epi32(c), u[k + 1]));
+                        d0 = _mm256_add_epi32(d0, _mm256_madd_epi16(p0, ones));
+                        d1 = _mm256_add_epi32(d1, _mm256_madd_epi16(p1, ones));
                     }
-                    const __m256 p = _mm256_cvtepi32_ps(dot);
+                    const __m256 p = _mm256_cvtepi32_ps(_mm256_add_epi32(d0, d1));
                     acc[h][j] = _mm256_fmadd_ps(p, _mm256_mul_ps(d, _mm256_set1_ps(x->scale[t * xs + 2 * b])), acc[h][j]);
-                    if (four) acc[h][j] = _mm256_fmadd_ps(off, _mm256_set1_ps(x->xblock[t * blocks + b]), acc[h][j]);
                 }
             }
         }
         for (int j = 0; j < count; j++)
             for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + (long)(t0 + j) * GROUP_ROWS + 8 * h, acc[h][j]);
     }
+}
+
+/* Q4_0 and Q4_1 rows in groups of 16 (see nibble_group_codes) with tokens t0 .. t0 + tk - 1:
+ * a vector's low nibbles are rows 0-7's codes, its high ones rows 8-15', both meeting one
+ * broadcast of a token's 4 activations. A block's 8 `vpmaddubsw` a row half (pair sums of
+ * codes 0..15 times activations |q| <= 128: at most 3840) add up in 16 bits (at most 30720)
+ * before one `vpmaddwd` widens them. Per (row, token) the operations are fixed, whatever
+ * `tk`. */
+static inline __attribute__((always_inline)) void rows16_q4(const int type, const int tk,
+                                                            const uint8_t *group, int t0,
+                                                            const QuantX *x, float *out) {
+    const int cols = x->cols, blocks = cols / QX_BLOCK, qs = q_stride(cols), xs = x_stride(cols);
+    const long size = GROUP_ROWS * value_offset(type, QX_BLOCK);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[2][G2_TOKENS];
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < tk; j++) acc[h][j] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const uint8_t *blk = group + b * size;
+        if (t0 == 0) /* later tokens find the group in cache */
+            prefetch_group_block(blk, size);
+        const uint8_t *codes = blk + GROUP_ROWS * group_scale_bytes(type);
+        __m256i slo[G2_TOKENS], shi[G2_TOKENS];
+        for (int j = 0; j < tk; j++) slo[j] = shi[j] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int k = 0; k < 8; k++) { /* values 4 k .. 4 k + 3 of the 16 rows */
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + 32 * k));
+            const __m256i lo = _mm256_and_si256(v, low4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            for (int j = 0; j < tk; j++) {
+                int32_t e;
+                memcpy(&e, x->q + (long)(t0 + j) * qs + QX_BLOCK * b + 4 * k, 4);
+                const __m256i a = _mm256_set1_epi32(e);
+                slo[j] = _mm256_add_epi16(slo[j], _mm256_maddubs_epi16(lo, a));
+                shi[j] = _mm256_add_epi16(shi[j], _mm256_maddubs_epi16(hi, a));
+            }
+        }
+        for (int j = 0; j < tk; j++) {
+            const long t = t0 + j;
+            const __m256 sx = _mm256_set1_ps(x->scale[t * xs + 2 * b]), bx = _mm256_set1_ps(x->xblock[t * blocks + b]);
+            for (int h = 0; h < 2; h++) {
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
+                const __m256 off = type == GGML_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)))
+                                                     : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+                const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(h ? shi[j] : slo[j], ones));
+                acc[h][j] = _mm256_fmadd_ps(p, _mm256_mul_ps(d, sx), acc[h][j]);
+                acc[h][j] = _mm256_fmadd_ps(off, bx, acc[h][j]);
+            }
+        }
+    }
+    for (int j = 0; j < tk; j++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + (long)(t0 + j) * GROUP_ROWS + 8 * h, acc[h][j]);
 }
 
 /* Byte j of each 32-bit lane (one row) in the low byte of both of its 16-bit halves (`pair`:
@@ -1331,98 +1375,117 @@ static inline __m256i lane_bytes16(__m256i v, int j, int pair) {
     return _mm256_shuffle_epi8(v, _mm256_add_epi32(lanes, _mm256_set1_epi32(lo | 0x8000 | hi << 16 | (int)0x80000000)));
 }
 
-/* Q4_K rows in groups of 16 (see group_layout) with `nt` tokens' per-256 activations, two
- * halves of 8 rows a vector: a sub-block's 8 `vpmaddubsw` (codes 0..15, pair sums at most
- * 3810) add up in 16 bits before `vpmaddwd` multiplies them by the rows' 6-bit scales
- * into 32 bits; the mins meet the activations' 32-value sums in 16-bit pairs. A block's
- * integer sums convert to float once, as in rows_dots_k_typed. */
+/* Q4_K rows in groups of 16 (see group_layout, q4k_group_codes) with tokens t0 .. t0 + tk - 1's
+ * per-256 activations: a vector's low nibbles are 8 rows' codes, its high nibbles the other 8
+ * rows', both meeting one broadcast of a token's 4 activations. A sub-block's 8 `vpmaddubsw`
+ * a row half (codes 0..15, pair sums at most 3840) add up in 16 bits before `vpmaddwd`
+ * multiplies them by the rows' 6-bit scales into 32 bits; the mins meet the activations'
+ * 32-value sums in 16-bit pairs. A block's integer sums convert to float once, as in
+ * rows_dots_k_typed. Per (row, token) the operations are fixed, whatever `tk`. */
 static inline __attribute__((always_inline)) void rows16_q4k(const int tk, const uint8_t *group,
-                                                             int nt, const QuantX *x, float *out) {
+                                                             int t0, const QuantX *x, float *out) {
     const int cols = x->cols, blocks = cols / QK_BLOCK;
     const long size = GROUP_ROWS * 144;
     const __m256i low4 = _mm256_set1_epi8(0x0F), six = _mm256_set1_epi8(0x3F);
     const __m256i top2 = _mm256_set1_epi8(0x30);
-    for (int t0 = 0; t0 < nt; t0 += tk) {
-        const int count = nt - t0 < tk ? nt - t0 : tk;
-        __m256 acc[2][G2_TOKENS];
-        for (int h = 0; h < 2; h++)
-            for (int j = 0; j < tk; j++) acc[h][j] = _mm256_setzero_ps();
-        for (int b = 0; b < blocks; b++) {
-            const uint8_t *blk = group + b * size;
-            if (t0 == 0)
-                prefetch_group_block(blk, size);
-            for (int h = 0; h < 2; h++) {
-                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
-                const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)));
-                const __m256i s0 = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * h));
-                const __m256i s1 = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-                const __m256i s2 = _mm256_loadu_si256((const __m256i *)(blk + 192 + 32 * h));
-                /* per row: scales and mins of sub-blocks 0-3 and 4-7, a byte each */
-                const __m256i sc_lo = _mm256_and_si256(s0, six), m_lo = _mm256_and_si256(s1, six);
-                const __m256i sc_hi = _mm256_or_si256(_mm256_and_si256(s2, low4),
-                                                      _mm256_and_si256(_mm256_srli_epi32(s0, 2), top2));
-                const __m256i m_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(s2, 4), low4),
-                                                     _mm256_and_si256(_mm256_srli_epi32(s1, 2), top2));
-                const uint8_t *codes = blk + 256 + 32 * h;
-                __m256i isum[G2_TOKENS], msum[G2_TOKENS];
-                for (int j = 0; j < tk; j++) isum[j] = msum[j] = _mm256_setzero_si256();
-                for (int c = 0; c < 4; c++) { /* sub-blocks 2 c (low nibbles), 2 c + 1 */
-                    __m256i slo[G2_TOKENS], shi[G2_TOKENS];
-                    for (int j = 0; j < tk; j++) slo[j] = shi[j] = _mm256_setzero_si256();
-                    for (int k = 0; k < 8; k++) { /* a vector's codes meet each token */
-                        const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + 64 * (8 * c + k)));
-                        const __m256i lo = _mm256_and_si256(v, low4);
-                        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                        for (int j = 0; j < tk; j++) {
-                            if (j >= count) break;
-                            const int8_t *q = x->qk + (long)(t0 + j) * cols + QK_BLOCK * b;
-                            int32_t a, e;
-                            memcpy(&a, q + 32 * k_slot(2 * c) + 4 * k, 4);
-                            memcpy(&e, q + 32 * k_slot(2 * c + 1) + 4 * k, 4);
-                            slo[j] = _mm256_add_epi16(slo[j], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)));
-                            shi[j] = _mm256_add_epi16(shi[j], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(e)));
-                        }
-                    }
-                    const __m256i scales = c < 2 ? sc_lo : sc_hi;
-                    const __m256i sc0 = lane_bytes16(scales, (2 * c) % 4, 0);
-                    const __m256i sc1 = lane_bytes16(scales, (2 * c) % 4 + 1, 0);
-                    const __m256i mins = lane_bytes16(c < 2 ? m_lo : m_hi, (2 * c) % 4, 1);
-                    for (int j = 0; j < tk; j++) {
-                        if (j >= count) break;
-                        const int16_t *bs = x->bsum + (long)(t0 + j) * (cols / 16) + 16 * b;
-                        isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(slo[j], sc0));
-                        isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(shi[j], sc1));
-                        /* the mins of sub-blocks 2 c, 2 c + 1 with their activations' sums */
-                        const uint32_t pair = (uint16_t)(bs[4 * c] + bs[4 * c + 1]) |
-                                              (uint32_t)(uint16_t)(bs[4 * c + 2] + bs[4 * c + 3]) << 16;
-                        msum[j] = _mm256_add_epi32(msum[j], _mm256_madd_epi16(mins, _mm256_set1_epi32((int)pair)));
-                    }
-                }
+    __m256 acc[2][G2_TOKENS];
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < tk; j++) acc[h][j] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const uint8_t *blk = group + b * size;
+        if (t0 == 0) /* later tokens find the group in cache */
+            prefetch_group_block(blk, size);
+        /* per row half: the sub-blocks' scales, and pairs of their mins, as 16-bit pairs */
+        __m256i sc[2][8], mn[2][4];
+        for (int h = 0; h < 2; h++) {
+            const __m256i s0 = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * h));
+            const __m256i s1 = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            const __m256i s2 = _mm256_loadu_si256((const __m256i *)(blk + 192 + 32 * h));
+            /* per row: scales and mins of sub-blocks 0-3 and 4-7, a byte each */
+            const __m256i sc_lo = _mm256_and_si256(s0, six), m_lo = _mm256_and_si256(s1, six);
+            const __m256i sc_hi = _mm256_or_si256(_mm256_and_si256(s2, low4),
+                                                  _mm256_and_si256(_mm256_srli_epi32(s0, 2), top2));
+            const __m256i m_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(s2, 4), low4),
+                                                 _mm256_and_si256(_mm256_srli_epi32(s1, 2), top2));
+            for (int s = 0; s < 8; s++) sc[h][s] = lane_bytes16(s < 4 ? sc_lo : sc_hi, s % 4, 0);
+            for (int c = 0; c < 4; c++) mn[h][c] = lane_bytes16(c < 2 ? m_lo : m_hi, (2 * c) % 4, 1);
+        }
+        __m256i isum[2][G2_TOKENS];
+        for (int j = 0; j < tk; j++) isum[0][j] = isum[1][j] = _mm256_setzero_si256();
+#pragma GCC unroll 1 /* unrolled, GCC 12 keeps every product on the stack before summing */
+        for (int s = 0; s < 8; s++) {
+            const uint8_t *codes = blk + 256 + 256 * s;
+            const long at = QK_BLOCK * b + 32 * k_slot(s);
+            __m256i slo[G2_TOKENS], shi[G2_TOKENS];
+            for (int j = 0; j < tk; j++) slo[j] = shi[j] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int k = 0; k < 8; k++) { /* a vector's codes meet each token */
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + 32 * k));
+                const __m256i lo = _mm256_and_si256(v, low4);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
                 for (int j = 0; j < tk; j++) {
-                    if (j >= count) break;
-                    const float dx = x->dk[(long)(t0 + j) * blocks + b];
-                    acc[h][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[h][j]);
-                    acc[h][j] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[j]), _mm256_mul_ps(dmin, _mm256_set1_ps(dx)), acc[h][j]);
+                    int32_t e;
+                    memcpy(&e, x->qk + (long)(t0 + j) * cols + at + 4 * k, 4);
+                    const __m256i a = _mm256_set1_epi32(e);
+                    slo[j] = _mm256_add_epi16(slo[j], _mm256_maddubs_epi16(lo, a));
+                    shi[j] = _mm256_add_epi16(shi[j], _mm256_maddubs_epi16(hi, a));
                 }
             }
+            for (int j = 0; j < tk; j++) {
+                isum[0][j] = _mm256_add_epi32(isum[0][j], _mm256_madd_epi16(slo[j], sc[0][s]));
+                isum[1][j] = _mm256_add_epi32(isum[1][j], _mm256_madd_epi16(shi[j], sc[1][s]));
+            }
         }
-        for (int j = 0; j < count; j++)
-            for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + (long)(t0 + j) * GROUP_ROWS + 8 * h, acc[h][j]);
+        for (int j = 0; j < tk; j++) {
+            const int16_t *bs = x->bsum + (long)(t0 + j) * (cols / 16) + 16 * b;
+            const float dx = x->dk[(long)(t0 + j) * blocks + b];
+            for (int h = 0; h < 2; h++) {
+                /* the mins of sub-blocks 2 c, 2 c + 1 with their activations' sums */
+                __m256i msum = _mm256_setzero_si256();
+                for (int c = 0; c < 4; c++) {
+                    const uint32_t pair = (uint16_t)(bs[4 * c] + bs[4 * c + 1]) |
+                                          (uint32_t)(uint16_t)(bs[4 * c + 2] + bs[4 * c + 3]) << 16;
+                    msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mn[h][c], _mm256_set1_epi32((int)pair)));
+                }
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
+                const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)));
+                acc[h][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h][j]), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[h][j]);
+                acc[h][j] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, _mm256_set1_ps(dx)), acc[h][j]);
+            }
+        }
     }
+    for (int j = 0; j < tk; j++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + (long)(t0 + j) * GROUP_ROWS + 8 * h, acc[h][j]);
 }
 
 /* 4 tokens a pass over a group's codes for batches (fewer unpacks a product: Q4_K at batch
  * 32 in cache 201 -> 250 GOP/s, Q4_1 198 -> 215 on Zen 3), 2 for one to three tokens (a
  * decode step from memory ran 20% slower with the registers of 4). */
-#define ROWS16_CALL(TYPE, TK)                                                                   \
-    (TYPE) == GGML_Q4_K ? rows16_q4k(TK, group, nt, x, out)                                       \
-    : (TYPE) == GGML_Q4_0 ? rows16_avx2_typed(GGML_Q4_0, TK, group, nt, x, out)                   \
-    : (TYPE) == GGML_Q4_1 ? rows16_avx2_typed(GGML_Q4_1, TK, group, nt, x, out)                   \
-                          : rows16_avx2_typed(GGML_Q8_0, TK, group, nt, x, out)
+/* rows16_q4k and rows16_q4 in whole passes of TK tokens, then the rest in one. */
+#define ROWS16_PASSES(KERNEL, TK)                                                               \
+    do {                                                                                        \
+        int t0 = 0;                                                                             \
+        for (; t0 + (TK) <= nt; t0 += (TK)) KERNEL((TK), group, t0, x, out);                    \
+        if (nt - t0 == 3) KERNEL(3, group, t0, x, out);                                         \
+        else if (nt - t0 == 2) KERNEL(2, group, t0, x, out);                                    \
+        else if (nt - t0 == 1) KERNEL(1, group, t0, x, out);                                    \
+    } while (0)
+#define ROWS16_Q4_0(...) rows16_q4(GGML_Q4_0, __VA_ARGS__)
+#define ROWS16_Q4_1(...) rows16_q4(GGML_Q4_1, __VA_ARGS__)
+#ifndef Q4_TK
+#define Q4_TK 3
+#endif
 
+/* 3 tokens a pass over a group's 4-bit codes (2 x 3 sums and 3 broadcasts in registers: Q4_K
+ * 195 GOP/s a Zen 3 core in L1; 4 spill, 153), Q8_0 4 for batches (fewer unpacks a
+ * product), 2 for one to three tokens (a decode step from memory ran 20% slower with the
+ * registers of 4). */
 static void rows16_dots256(int type, const uint8_t *group, int nt, const QuantX *x, float *out) {
-    if (nt >= 4) ROWS16_CALL(type, 4);
-    else ROWS16_CALL(type, 2);
+    if (type == GGML_Q4_K) ROWS16_PASSES(rows16_q4k, 3);
+    else if (type == GGML_Q4_0) ROWS16_PASSES(ROWS16_Q4_0, Q4_TK);
+    else if (type == GGML_Q4_1) ROWS16_PASSES(ROWS16_Q4_1, Q4_TK);
+    else if (nt >= 4) rows16_q8_0(4, group, nt, x, out);
+    else rows16_q8_0(2, group, nt, x, out);
 }
 
 /* Each type's loop compiled on its own (the type a constant in it). */
