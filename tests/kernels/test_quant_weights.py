@@ -214,13 +214,13 @@ def test_the_vnni_products_equal_avx2s_bit_for_bit(
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K], ids=lambda t: t.name)
 def test_rows_interleaved_in_groups_of_16_hold_the_same_blocks(qtype: T, isa: str) -> None:
     """A part copied into groups of 16 rows (read through its row index, as q/k are) takes
     the same bytes, decodes to the reference bit for bit, and multiplies as the plain
     blocks do, within the same tolerance and whatever the batch, next to a plain part of
-    an odd number of rows of another type. The forward leaves Q4_K's and Q6_K's rows as
-    they are where AVX512-VNNI's products are in use; they multiply in groups all the same."""
+    an odd number of rows of another type. The forward leaves Q4_K's rows as they are
+    where AVX512-VNNI's products are in use; they multiply in groups all the same."""
     rng = np.random.default_rng(200 + int(qtype))
     cols, block = (768, 256) if qtype in K_QUANTS else (800, 32)
     values = (rng.standard_normal((48, cols)) * 0.1).astype(np.float32)  # 3 groups
@@ -229,7 +229,7 @@ def test_rows_interleaved_in_groups_of_16_hold_the_same_blocks(qtype: T, isa: st
     stored = np.empty_like(packed)
     stored[index] = packed
     part = (int(qtype), torch.from_numpy(stored), torch.from_numpy(index))
-    assert can_interleave(part) == (qtype not in (T.Q4_K, T.Q6_K) or isa != "avx512-vnni")
+    assert can_interleave(part) == (qtype != T.Q4_K or isa != "avx512-vnni")
     grouped = interleave_rows(part)
     assert grouped[1].shape == stored.shape and grouped[2] is None
     assert not np.array_equal(grouped[1].numpy(), packed)  # reordered

@@ -644,7 +644,11 @@ static inline int group_scale_bytes(int type) { return type == GGML_Q4_1 ? 4 : 2
 /* A block of a type that interleaves, as a group stores it: its 2-byte fields (scales, mins)
  * first, each as the 16 rows' in a row (32 bytes), then its runs of bytes, each 4 of a row
  * at a time (16 x len bytes). Q4_K: d, dmin, the 12 bytes of 6-bit scales and mins, the
- * 128 bytes of codes. Q6_K: d, the 16 bytes of 8-bit scales, the codes (q6k_group_codes). */
+ * 128 bytes of codes. (Q6_K in groups, its codes rebuilt from ql and qh in registers, ran
+ * no faster than its rows as they are: 25 GB/s either way on Zen 3. A later try, its top 2
+ * bits apart and 4 tokens a pass, ran 225 GOP/s at batch 32 in cache against the rows'
+ * 170, yet the served Q4_K_M's batch-32 throughput did not move and its decode fell from
+ * 75 to 58 tok/s: one token a pass is compute-bound there.) */
 typedef struct {
     int halves, runs, half_at[2], run_at[2], run_len[2];
 } GroupLayout;
@@ -654,7 +658,6 @@ static GroupLayout group_layout(int type) {
     case GGML_Q4_0: return (GroupLayout){1, 1, {0}, {2}, {16}};
     case GGML_Q4_1: return (GroupLayout){2, 1, {0, 2}, {4}, {16}};
     case GGML_Q8_0: return (GroupLayout){1, 1, {0}, {2}, {32}};
-    case GGML_Q6_K: return (GroupLayout){1, 1, {208}, {192}, {16}}; /* codes: q6k_group_codes */
     default: return (GroupLayout){2, 2, {0, 2}, {4, 16}, {12, 128}}; /* Q4_K */
     }
 }
@@ -682,30 +685,6 @@ static inline void nibble_group_codes(int type, uint8_t *qs, uint8_t *codes, int
         }
 }
 
-/* Q6_K's codes in a group: their low 4 bits as nibble_group_codes (value v of the block in
- * vector v / 4 of 32 bytes: 2048 bytes), then their top 2 bits, 8 values of 16 rows in 32
- * bytes (1024 bytes): byte b of lane i of vector m holds bits 4-5 of values 8 m + b (bits
- * 0-1: row i, 2-3: row i + 8) and 8 m + 4 + b (bits 4-5: row i, 6-7: row i + 8). The
- * file's value v = 128 n + 32 j + l: ql[64 n + 32 (j % 2) + l], the low nibble for j < 2,
- * and bits 2 j, 2 j + 1 of qh[32 n + l] (ggml's dequantize_row_q6_K). Row i's block `blk`
- * <-> the group's `codes` (to_group: which way; the other rows' bits are kept). */
-static inline void q6k_group_codes(uint8_t *blk, uint8_t *codes, int i, int to_group) {
-    const int lane = i % 8, top = i / 8;
-    for (int v = 0; v < 256; v++) {
-        const int n = v / 128, j = v % 128 / 32, l = v % 32, k = v / 4;
-        uint8_t *fl = blk + 64 * n + 32 * (j % 2) + l, *fh = blk + 128 + 32 * n + l;
-        uint8_t *gl = codes + 32 * k + 4 * lane + v % 4, *gh = codes + 2048 + 32 * (k / 2) + 4 * lane + v % 4;
-        const int fls = 4 * (j / 2), fhs = 2 * j, gls = 4 * top, ghs = 2 * top + 4 * (k % 2);
-        if (to_group) {
-            *gl = (uint8_t)((*gl & ~(0xF << gls)) | ((*fl >> fls) & 0xF) << gls);
-            *gh = (uint8_t)((*gh & ~(3 << ghs)) | ((*fh >> fhs) & 3) << ghs);
-        } else {
-            *fl = (uint8_t)((*fl & ~(0xF << fls)) | ((*gl >> gls) & 0xF) << fls);
-            *fh = (uint8_t)((*fh & ~(3 << fhs)) | ((*gh >> ghs) & 3) << fhs);
-        }
-    }
-}
-
 /* Row i of a group's block `out` <-> the file's block `blk` (to_group: which way). Q8_0's
  * codes are stored + 128, 4-bit ones as nibble_group_codes. */
 static inline void group_block_row(int type, uint8_t *blk, uint8_t *out, int i, int to_group) {
@@ -715,7 +694,7 @@ static inline void group_block_row(int type, uint8_t *blk, uint8_t *out, int i, 
     for (int f = 0; f < l.halves; f++, o += 2 * GROUP_ROWS)
         to_group ? memcpy(out + o + 2 * i, blk + l.half_at[f], 2) : memcpy(blk + l.half_at[f], out + o + 2 * i, 2);
     for (int r = 0; r < l.runs; o += GROUP_ROWS * l.run_len[r], r++)
-        if ((type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q4_K) && r == l.runs - 1)
+        if (type != GGML_Q8_0 && r == l.runs - 1)
             nibble_group_codes(type, blk + l.run_at[r], out + o, i, to_group);
         else
             for (int j = 0; j < l.run_len[r]; j++) {
@@ -723,7 +702,6 @@ static inline void group_block_row(int type, uint8_t *blk, uint8_t *out, int i, 
                 if (to_group) *g = *f ^ flip;
                 else *f = *g ^ flip;
             }
-    if (type == GGML_Q6_K) q6k_group_codes(blk, out + o, i, to_group);
 }
 
 /* Exported: `rows` rows (a multiple of 16) of a Q4_0, Q4_1, Q8_0 or Q4_K part, row r
@@ -1486,108 +1464,6 @@ static inline __attribute__((always_inline)) void rows16_q4k(const int tk, const
 /* 4 tokens a pass over a group's codes for batches (fewer unpacks a product: Q4_K at batch
  * 32 in cache 201 -> 250 GOP/s, Q4_1 198 -> 215 on Zen 3), 2 for one to three tokens (a
  * decode step from memory ran 20% slower with the registers of 4). */
-/* Sign-extended byte j of each 32-bit lane (one row) in both of its 16-bit halves. */
-static inline __m256i lane_sbytes16(__m256i v, int j) {
-    const __m256i lanes = _mm256_setr_epi32(0, 0x04000400, 0x08000800, 0x0C000C00, 0, 0x04000400,
-                                            0x08000800, 0x0C000C00);
-    return _mm256_srai_epi16(_mm256_shuffle_epi8(v, _mm256_add_epi32(lanes, _mm256_set1_epi32(0x80 | j << 8 | 0x80 << 16 | j << 24))), 8);
-}
-
-/* Rows 8 h .. 8 h + 7 of a Q6_K group's block `blk` with tokens t0 .. t0 + tk - 1: their
- * integer sums into isum[j] (see rows16_q6k); `pairs[j][c]`: token j's activation sums of
- * values 16 g .. 16 g + 15 for g = 4 c, 4 c + 2 (even c) or 4 c + 1, 4 c + 3 (odd c... see
- * rows16_q6k), as 16-bit pairs. */
-static inline __attribute__((always_inline)) void q6k_half(const int h, const int tk, const uint8_t *blk,
-                                                           int b, int t0, const QuantX *x,
-                                                           const int32_t pairs[][8], __m256i *isum) {
-    const int cols = x->cols;
-    static const int8_t slot_at[8] = {0, 2, 1, 3, 4, 6, 5, 7}; /* k_slot */
-    const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
-    const uint8_t *scales = blk + 32 + 32 * h, *codes = blk + 288, *tops = codes + 2048;
-    for (int j = 0; j < tk; j++) isum[j] = _mm256_setzero_si256();
-#pragma GCC unroll 1
-    for (int g = 0; g < 16; g++) { /* values 16 g .. 16 g + 15: 4 vectors, one scale */
-        const long at = QK_BLOCK * b + 32 * slot_at[g / 2] + 16 * (g % 2);
-        const __m256i sc = lane_sbytes16(_mm256_loadu_si256((const __m256i *)(scales + 64 * (g / 4))), g % 4);
-        for (int m = 0; m < 2; m++) { /* values 16 g + 8 m .. + 7 */
-            const __m256i t = _mm256_loadu_si256((const __m256i *)(tops + 32 * (2 * g + m)));
-            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(codes + 32 * (4 * g + 2 * m)));
-            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(codes + 32 * (4 * g + 2 * m + 1)));
-            __m256i w0, w1;
-            if (h == 0) {
-                w0 = _mm256_or_si256(_mm256_and_si256(v0, low4), _mm256_and_si256(_mm256_slli_epi16(t, 4), top2));
-                w1 = _mm256_or_si256(_mm256_and_si256(v1, low4), _mm256_and_si256(t, top2));
-            } else {
-                w0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low4),
-                                     _mm256_and_si256(_mm256_slli_epi16(t, 2), top2));
-                w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low4),
-                                     _mm256_and_si256(_mm256_srli_epi16(t, 2), top2));
-            }
-            for (int j = 0; j < tk; j++) {
-                const int8_t *q = x->qk + (long)(t0 + j) * cols + at + 8 * m;
-                int32_t e0, e1;
-                memcpy(&e0, q, 4);
-                memcpy(&e1, q + 4, 4);
-                const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(e0)),
-                                                   _mm256_maddubs_epi16(w1, _mm256_set1_epi32(e1)));
-                isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(p, sc));
-            }
-        }
-    }
-    /* the codes' offset: 32 x each scale x its 16 activations' sum. A lane's 4 scale bytes
-     * of groups 4 c .. 4 c + 3 as 16-bit pairs: (4 c, 4 c + 2) and (4 c + 1, 4 c + 3). */
-    for (int c = 0; c < 4; c++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(scales + 64 * c));
-        const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8), odd = _mm256_srai_epi16(v, 8);
-        for (int j = 0; j < tk; j++) {
-            const __m256i o = _mm256_add_epi32(_mm256_madd_epi16(even, _mm256_set1_epi32(pairs[j][2 * c])),
-                                               _mm256_madd_epi16(odd, _mm256_set1_epi32(pairs[j][2 * c + 1])));
-            isum[j] = _mm256_sub_epi32(isum[j], _mm256_slli_epi32(o, 5));
-        }
-    }
-}
-
-/* Q6_K rows in groups of 16 (see q6k_group_codes) with tokens t0 .. t0 + tk - 1's per-256
- * activations, a half of 8 rows at a time: each 4 values' low nibbles get their top 2
- * bits, codes 0..63 meet a broadcast of 4 activations in `vpmaddubsw` (pair sums at most
- * 16256), two such add up in 16 bits before `vpmaddwd` multiplies them by the rows' scale
- * of their 16 values into 32 bits. The codes' offset of 32 takes the scales times the
- * activations' sums of 16 off the same sums. A block's integer sums convert to float once.
- * Per (row, token) the operations are fixed, whatever `tk`. */
-static inline __attribute__((always_inline)) void rows16_q6k(const int tk, const uint8_t *group,
-                                                             int t0, const QuantX *x, float *out) {
-    const int blocks = x->cols / QK_BLOCK;
-    const long size = GROUP_ROWS * 210;
-    __m256 acc[2][G2_TOKENS];
-    for (int h = 0; h < 2; h++)
-        for (int j = 0; j < tk; j++) acc[h][j] = _mm256_setzero_ps();
-    for (int b = 0; b < blocks; b++) {
-        const uint8_t *blk = group + b * size;
-        if (t0 == 0) /* later tokens find the group in cache */
-            prefetch_group_block(blk, size);
-        int32_t pairs[G2_TOKENS][8]; /* see q6k_half */
-        for (int j = 0; j < tk; j++) {
-            const int16_t *bs = x->bsum + (long)(t0 + j) * (x->cols / 16) + 16 * b;
-            for (int c = 0; c < 4; c++) {
-                pairs[j][2 * c] = (uint16_t)bs[4 * c] | (int32_t)((uint32_t)(uint16_t)bs[4 * c + 2] << 16);
-                pairs[j][2 * c + 1] = (uint16_t)bs[4 * c + 1] | (int32_t)((uint32_t)(uint16_t)bs[4 * c + 3] << 16);
-            }
-        }
-        for (int h = 0; h < 2; h++) {
-            __m256i isum[G2_TOKENS];
-            if (h == 0) q6k_half(0, tk, blk, b, t0, x, pairs, isum);
-            else q6k_half(1, tk, blk, b, t0, x, pairs, isum);
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
-            for (int j = 0; j < tk; j++) {
-                const __m256 dx = _mm256_set1_ps(x->dk[(long)(t0 + j) * blocks + b]);
-                acc[h][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_mul_ps(d, dx), acc[h][j]);
-            }
-        }
-    }
-    for (int j = 0; j < tk; j++)
-        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + (long)(t0 + j) * GROUP_ROWS + 8 * h, acc[h][j]);
-}
-
 /* rows16_q4k and rows16_q4 in whole passes of TK tokens, then the rest in one. */
 #define ROWS16_PASSES(KERNEL, TK)                                                               \
     do {                                                                                        \
@@ -1599,9 +1475,6 @@ static inline __attribute__((always_inline)) void rows16_q6k(const int tk, const
     } while (0)
 #define ROWS16_Q4_0(...) rows16_q4(GGML_Q4_0, __VA_ARGS__)
 #define ROWS16_Q4_1(...) rows16_q4(GGML_Q4_1, __VA_ARGS__)
-#ifndef Q6_TK
-#define Q6_TK 4
-#endif
 #ifndef Q4_TK
 #define Q4_TK 3
 #endif
@@ -1612,7 +1485,6 @@ static inline __attribute__((always_inline)) void rows16_q6k(const int tk, const
  * registers of 4). */
 static void rows16_dots256(int type, const uint8_t *group, int nt, const QuantX *x, float *out) {
     if (type == GGML_Q4_K) ROWS16_PASSES(rows16_q4k, 3);
-    else if (type == GGML_Q6_K) ROWS16_PASSES(rows16_q6k, Q6_TK);
     else if (type == GGML_Q4_0) ROWS16_PASSES(ROWS16_Q4_0, Q4_TK);
     else if (type == GGML_Q4_1) ROWS16_PASSES(ROWS16_Q4_1, Q4_TK);
     else if (nt >= 4) rows16_q8_0(4, group, nt, x, out);

@@ -113,9 +113,9 @@ class QuantWeight(ctypes.Structure):
         self.interleaved = interleaved
 
 
-# GGML types whose rows the products take in groups of 16: Q4_0, Q4_1, Q8_0, and Q4_K and
-# Q6_K where the products in use are not AVX512-VNNI's (whose K-quant products keep the rows)
-INTERLEAVED_TYPES = (2, 3, 8, 12, 14)
+# GGML types whose rows the products take in groups of 16: Q4_0, Q4_1, Q8_0, and Q4_K
+# where the products in use are not AVX512-VNNI's (whose K-quant products keep the rows)
+INTERLEAVED_TYPES = (2, 3, 8, 12)
 GROUP_ROWS = 16
 
 
@@ -128,9 +128,9 @@ def interleaves() -> bool:
 
 def can_interleave(part: GGUFBlocks) -> bool:
     """Whether the forward takes this part in groups of 16 rows: Q4_0, Q4_1, Q8_0 (or Q4_K,
-    Q6_K, see INTERLEAVED_TYPES), whole rows (not a tensor-parallel rank's column slice), a
+    see INTERLEAVED_TYPES), whole rows (not a tensor-parallel rank's column slice), a
     multiple of 16 of them."""
-    if part[0] in (12, 14) and _library().infire_quant_isa(-1) == 2:
+    if part[0] == 12 and _library().infire_quant_isa(-1) == 2:
         return False
     return _groups_fit(part)
 
@@ -153,9 +153,7 @@ def interleave_rows(part: GGUFBlocks, out: torch.Tensor | None = None) -> GGUFBl
     layout of the group kernels (infire_repack_rows16 in cpu_forward.c): the same bytes,
     reordered. `out`: the [rows, row_bytes] uint8 tensor to write (new by default)."""
     if not _groups_fit(part):
-        raise ValueError(
-            "only whole Q4_0, Q4_1, Q8_0, Q4_K or Q6_K rows, a multiple of 16, interleave"
-        )
+        raise ValueError("only whole Q4_0, Q4_1, Q8_0 or Q4_K rows, a multiple of 16, interleave")
     kind, data, index = part
     rows, row_bytes = _shape(part)
     out = torch.empty(rows, row_bytes, dtype=torch.uint8) if out is None else out
