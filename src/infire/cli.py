@@ -617,7 +617,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     tokenizer = WhisperTokenizer(folder / "tokenizer.json")
     samples = decode_audio(Path(args.file))
     options = TranscribeOptions(task=args.task, language=args.language, beam_size=args.beam_size,
-                                word_timestamps=args.word_timestamps)  # fmt: skip
+                                word_timestamps=args.word_timestamps, vad_filter=args.vad_filter)  # fmt: skip
     bar = None
     if samples.size / 16000 > 30 and sys.stderr.isatty() or args.progress:
         from tqdm import tqdm
@@ -755,6 +755,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="output (default: text)")  # fmt: skip
     speech.add_argument("--beam-size", type=int, default=1, help="1: greedy (default), else beams")
     speech.add_argument("--word-timestamps", action="store_true", help="words' times in json")
+    speech.add_argument("--vad-filter", action="store_true",
+                        help="decode the speech only (webrtcvad; the recording's times kept)")  # fmt: skip
     speech.add_argument("--progress", action="store_true",
                         help="a progress bar on stderr (default: for files over 30 s on a terminal)")  # fmt: skip
     speech.set_defaults(func=cmd_transcribe)

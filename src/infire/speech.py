@@ -39,6 +39,7 @@ from infire.audio import FRAMES_PER_SECOND, HOP_LENGTH, N_FRAMES, N_SAMPLES, SAM
 from infire.errors import InvalidRequestError
 from infire.models.whisper import LoadedWhisper
 from infire.models.whisper_tokenizer import TIME_PRECISION, WhisperTokenizer
+from infire.vad import SpeechMap, VadOptions, join_speech, speech_chunks
 
 MAX_INITIAL_TIMESTAMP = 1.0  # seconds: the first timestamp of a window is at most this
 
@@ -300,6 +301,8 @@ class TranscribeOptions:
     word_timestamps: bool = False
     max_new_tokens: int = 224
     seed: int = 0
+    vad_filter: bool = False  # decode the speech only (infire.vad), the recording's times kept
+    vad_options: VadOptions = field(default_factory=VadOptions)
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,6 +327,7 @@ class Transcription:
     duration: float  # seconds of audio
     segments: list[Segment] = field(default_factory=list)
     language_probs: dict[str, float] = field(default_factory=dict)
+    duration_after_vad: float | None = None  # seconds of speech decoded, with the VAD filter
 
 
 def compression_ratio(text: str) -> float:
@@ -350,13 +354,18 @@ class TranscriptionJob:
         self.whisper, self.tokenizer, self.options = whisper, tokenizer, options
         if options.language is not None:
             tokenizer.language_token(options.language)  # refused here if unknown
+        self.duration = samples.size / SAMPLE_RATE
+        self.speech: SpeechMap | None = None  # the VAD filter's times, where it is on
+        if options.vad_filter:
+            chunks = speech_chunks(samples, options.vad_options)
+            self.speech = SpeechMap(chunks)
+            samples = join_speech(samples, chunks)
         # features of the whole recording (and 30 s of silence after it, as openai-whisper)
         silence = np.zeros(N_SAMPLES, np.float32)
         self.mel = log_mel(
             np.concatenate([samples, silence]), whisper.config.num_mel_bins, pad=False
         )
         self.content_frames = self.mel.shape[-1] - N_FRAMES
-        self.duration = samples.size / SAMPLE_RATE
         self.language, self.language_probs = options.language, {}
         self.tokens: list[int] = []  # every window's tokens (after the initial prompt)
         if options.initial_prompt:
@@ -371,7 +380,13 @@ class TranscriptionJob:
 
     @property
     def seconds_done(self) -> float:
-        return self.duration if self.done else min(self.seek / FRAMES_PER_SECOND, self.duration)
+        if self.done:
+            return self.duration
+        return min(self._time(self.seek / FRAMES_PER_SECOND), self.duration)
+
+    def _time(self, seconds: float, end: bool = False) -> float:
+        """The recording's time of `seconds` into the decoded audio."""
+        return seconds if self.speech is None else self.speech.time(seconds, end)
 
     def window(self) -> torch.Tensor:
         """The features [n_mels, 3000] of the next window."""
@@ -430,6 +445,7 @@ class TranscriptionJob:
         for (start, end, piece), timed in zip(found, words, strict=True):
             text = tokenizer.decode(piece)
             if text.strip():
+                start, end = self._time(start), self._time(end, end=True)
                 new.append(Segment(len(self.segments) + len(new), self.seek, round(start, 2), round(end, 2),
                                    text, piece, temperature, avg, ratio, result.no_speech_prob, timed))  # fmt: skip
         self.segments += new
@@ -454,8 +470,8 @@ class TranscriptionJob:
             taken, words = 0, []
             while at < len(aligned) and taken < len(piece):
                 word, tokens, start, end, probability = aligned[at]
-                words.append(Word(word, round(offset + start, 2), round(offset + end, 2),
-                                  round(probability, 4)))  # fmt: skip
+                words.append(Word(word, round(self._time(offset + start), 2),
+                                  round(self._time(offset + end, end=True), 2), round(probability, 4)))  # fmt: skip
                 taken += len(tokens)
                 at += 1
             out.append(tuple(words))
@@ -476,8 +492,9 @@ class TranscriptionJob:
 
     def result(self) -> Transcription:
         text = "".join(segment.text for segment in self.segments)
+        after = None if self.speech is None else round(self.speech.joined_seconds, 3)
         return Transcription(text, self.language or "en", self.duration, list(self.segments),
-                             self.language_probs)  # fmt: skip
+                             self.language_probs, after)  # fmt: skip
 
 
 @torch.inference_mode()

@@ -15,6 +15,7 @@ import openai
 import pytest
 from harness import Server, assert_openai_error
 
+from infire.audio import decode_audio
 from speech_clips import encode_as, espeak, spoken_clips, wer
 
 MODEL = "whisper-base"
@@ -204,6 +205,35 @@ def test_workers_ai_whisper_shapes(server: Server, clips) -> None:
     bad = httpx.post(f"{server.url}/ai/run/@cf/openai/whisper-large-v3-turbo", timeout=60,
                      json={"audio": "not base64!"})  # fmt: skip
     assert bad.status_code == 400 and bad.json()["success"] is False
-    vad = httpx.post(f"{server.url}/ai/run/@cf/openai/whisper-large-v3-turbo", timeout=60,
-                     json={"audio": base64.b64encode(path.read_bytes()).decode(), "vad_filter": True})  # fmt: skip
-    assert vad.status_code == 400 and "vad_filter" in vad.text
+    late = encode_as(np.concatenate([np.zeros(16000 * 10, np.float32), decode_audio(path)]),
+                     16000, "wav", "pcm_s16le")  # fmt: skip
+    vad = httpx.post(f"{server.url}/ai/run/@cf/openai/whisper-large-v3-turbo", timeout=120,
+                     json={"audio": base64.b64encode(late).decode(), "vad_filter": True})  # fmt: skip
+    assert vad.status_code == 200, vad.text
+    info, segments = vad.json()["result"]["transcription_info"], vad.json()["result"]["segments"]
+    assert info["duration_after_vad"] < info["duration"] - 8 and segments[0]["start"] >= 9.0
+    assert wer([(text, vad.json()["result"]["text"])]) <= 0.15
+    not_bool = httpx.post(f"{server.url}/ai/run/@cf/openai/whisper-large-v3-turbo", timeout=60,
+                          json={"audio": base64.b64encode(late).decode(), "vad_filter": "yes"})  # fmt: skip
+    assert not_bool.status_code == 400 and "vad_filter" in not_bool.text
+
+
+def test_chunking_strategy_filters_the_silence(server: Server, client, clips) -> None:
+    """OpenAI's chunking_strategy: `auto` or server_vad settings turn the VAD filter on; the
+    segments keep the recording's times."""
+    path, text = clips[2]
+    late = encode_as(np.concatenate([np.zeros(16000 * 10, np.float32), decode_audio(path)]),
+                     16000, "wav", "pcm_s16le")  # fmt: skip
+    for strategy in (
+        "auto",
+        {"type": "server_vad", "prefix_padding_ms": 200, "silence_duration_ms": 600},
+    ):
+        result = client.audio.transcriptions.create(model=MODEL, file=("late.wav", late),
+                                                    response_format="verbose_json", language="en",
+                                                    chunking_strategy=strategy)  # fmt: skip
+        assert result.segments[0].start >= 9.0 and wer([(text, result.text)]) <= 0.15, result
+    for bad in ("sometimes", '{"type": "server_vad", "threshold": 2}', '{"type": "semantic"}'):
+        response = httpx.post(f"{server.url}/v1/audio/transcriptions", timeout=60,
+                              files={"file": ("late.wav", late)},
+                              data={"model": MODEL, "chunking_strategy": bad})  # fmt: skip
+        assert_openai_error(response, 400, param="chunking_strategy")

@@ -43,3 +43,16 @@ def test_a_file_that_is_not_audio_is_a_clear_error(tmp_path: Path) -> None:
     path.write_text("hello" * 100)
     out = _run(str(path))
     assert out.returncode == 2 and "not audio" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_vad_filter_keeps_the_recordings_times(tmp_path: Path) -> None:
+    text = "The weather today is sunny with a light breeze from the west."
+    speech = decode_audio(espeak(text, tmp_path / "s.wav"))
+    path = tmp_path / "late.wav"
+    path.write_bytes(encode_as(np.concatenate([np.zeros(SAMPLE_RATE * 12, np.float32), speech]),
+                               SAMPLE_RATE, "wav", "pcm_s16le"))  # fmt: skip
+    run = _run(str(path), "--vad-filter", "--language", "en", "--format", "srt")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[1].startswith("00:00:1"), run.stdout  # about 12 s in, not at 0
+    assert wer([(text, lines[2])]) <= 0.2, run.stdout

@@ -129,6 +129,7 @@ class SpeechEngine:
                     running.append(request)
             except queue.Empty:
                 pass
+            self._finish(running)  # a job with no speech to decode (the VAD filter) is done
             running = [r for r in running if not r.cancelled]
             batch = running[: self.max_batch]
             if not batch:
@@ -140,12 +141,16 @@ class SpeechEngine:
                 for request in batch:
                     request.send("error", e)
                     request.cancelled = True
-            for request in batch:
-                if request.job.done and not request.cancelled:
-                    request.send("done", request.job.result())
-                    request.cancelled = True
+            self._finish(batch)
             # the batch's requests go to the back: a long recording does not starve others
             running = running[len(batch) :] + [r for r in batch if not r.cancelled]
+
+    @staticmethod
+    def _finish(requests: list[_Request]) -> None:
+        for request in requests:
+            if request.job.done and not request.cancelled:
+                request.send("done", request.job.result())
+                request.cancelled = True
 
     @torch.inference_mode()
     def _round(self, batch: list[_Request]) -> None:

@@ -46,10 +46,10 @@ from infire.catalog.manager import request_leases
 from infire.errors import InfireError
 from infire.server.errors import to_api_error
 from infire.speech import TranscribeOptions, Transcription
+from infire.vad import FRAME, FrameVad
 
 logger = logging.getLogger("infire.server.realtime")
 
-FRAME = 480  # samples of a VAD frame: 30 ms at 16 kHz
 PARTIAL_EVERY = 1.0  # seconds of new speech between two partial transcriptions
 
 
@@ -102,9 +102,7 @@ class RealtimeSession:
         self.tasks: set[asyncio.Task] = set()
         self.send_lock = asyncio.Lock()
         self.engine: Any = None
-        import webrtcvad
-
-        self.detector = webrtcvad.Vad(2)
+        self.detector = FrameVad(2)
 
     # -- the wire ------------------------------------------------------------------------
 
@@ -230,8 +228,7 @@ class RealtimeSession:
             await self.frame(audio[start : start + FRAME])
 
     async def frame(self, frame: np.ndarray) -> None:
-        pcm = (np.clip(frame, -1, 1) * 32767).astype("<i2").tobytes()
-        voiced = self.detector.is_speech(pcm, SAMPLE_RATE)
+        voiced = self.detector.is_speech(frame)
         if self.turn is None:
             self.buffer.append(frame)
             keep = int(self.vad.get("prefix_padding_ms", 300) * SAMPLE_RATE / 1000) // FRAME + 3

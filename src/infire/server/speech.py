@@ -7,7 +7,10 @@ detected where absent), `prompt` (text the first window follows, as openai-whisp
 initial prompt), `temperature` (0: openai-whisper's fallback from 0 up to 1 where a
 window's text fails its checks; above 0: that temperature alone),
 `timestamp_granularities[]` (`segment`, `word`: words timed by the cross-attention
-alignment, as openai-whisper's word_timestamps) and `response_format`:
+alignment, as openai-whisper's word_timestamps), `chunking_strategy` (`auto`, or a JSON
+`{"type": "server_vad", "prefix_padding_ms", "silence_duration_ms", "threshold"}`: the VAD
+filter, infire.vad, decodes the speech only; padding and silence as given, webrtcvad's mode
+round(3 x threshold)) and `response_format`:
 - `json`: {"text", "usage": {"type": "duration", "seconds"}};
 - `text`: the text alone; `srt` and `vtt`: subtitles, one cue a segment;
 - `verbose_json`: task, language (its English name), duration, text and the segments
@@ -22,7 +25,7 @@ Workers AI (`/ai/run/{model}` on a speech model), by the name the request uses:
   initial_prompt, prefix, vad_filter} -> {transcription_info: {language,
   language_probability, duration, duration_after_vad}, text, word_count, segments: [{start,
   end, text, temperature, avg_logprob, compression_ratio, no_speech_prob, words}], vtt}.
-  `vad_filter: true` is refused (no VAD yet).
+  `vad_filter: true` decodes the speech only (infire.vad, faster-whisper's defaults).
 
 `stream=true` answers server-sent events: `transcript.text.delta` with each window's new
 text as it is decoded, then `transcript.text.done` with the whole text and the usage.
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -50,6 +54,7 @@ from infire.models.whisper_tokenizer import LANGUAGES
 from infire.server.errors import APIError, json_object
 from infire.server.openai import SSE_HEADERS, sse
 from infire.speech import TranscribeOptions, Transcription
+from infire.vad import VadOptions
 
 FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 FALLBACK = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
@@ -104,9 +109,13 @@ async def _answer(request: Request, task: str, speech: Callable[[str], Awaitable
     if not data:
         raise InvalidRequestError("the file is empty", param="file")
     samples = await _samples(data, max_audio_seconds, "file")
+    nested = {key[len("chunking_strategy[") : -1]: value for key, value in form.multi_items()
+              if key.startswith("chunking_strategy[") and key.endswith("]")}  # fmt: skip
+    vad = _chunking(nested or _field(form, "chunking_strategy"))
     options = TranscribeOptions(
         task=task, language=language, temperatures=FALLBACK if temperature == 0 else (temperature,),
         initial_prompt=_field(form, "prompt") or None, word_timestamps="word" in granularities,
+        vad_filter=vad is not None, vad_options=vad or VadOptions(),
     )  # fmt: skip
     job = await asyncio.to_thread(engine.job, samples, options)  # checks it; the features
     if stream:
@@ -123,6 +132,43 @@ async def _samples(data: bytes, max_audio_seconds: float, param: str) -> Any:
         raise APIError(413, f"the audio lasts {samples.size / SAMPLE_RATE:.1f} s, more than this "
                             f"server's {max_audio_seconds:g} s", param=param)  # fmt: skip
     return samples
+
+
+def _chunking(value: str | dict | None) -> VadOptions | None:
+    """OpenAI's `chunking_strategy` as the VAD filter's settings (None: no filter): `auto`,
+    or server_vad's object as JSON or as the form fields `chunking_strategy[type]`, ... (the
+    `openai` client's way of sending it)."""
+    if value is None or value == "":
+        return None
+    if value == "auto":
+        return VadOptions()
+    raw: Any = None
+    if isinstance(value, dict):
+        raw = dict(value)
+        for key in set(raw) - {"type"}:
+            with contextlib.suppress(TypeError, ValueError):  # not a number: refused below
+                raw[key] = float(raw[key])
+    else:
+        with contextlib.suppress(ValueError):
+            raw = json.loads(value)
+    if not isinstance(raw, dict) or raw.get("type") != "server_vad":
+        raise InvalidRequestError("chunking_strategy is `auto` or a JSON object of type server_vad",
+                                  param="chunking_strategy")  # fmt: skip
+    numbers = {}
+    for name, default, low, high in (("prefix_padding_ms", 300, 0, 10_000),
+                                     ("silence_duration_ms", 200, 30, 60_000),
+                                     ("threshold", 0.5, 0.0, 1.0)):  # fmt: skip
+        number = raw.get(name, default)
+        if (
+            isinstance(number, bool)
+            or not isinstance(number, int | float)
+            or not low <= number <= high
+        ):
+            raise InvalidRequestError(f"chunking_strategy.{name} must be a number from {low} to {high}",
+                                      param="chunking_strategy")  # fmt: skip
+        numbers[name] = number
+    return VadOptions(mode=round(3 * numbers["threshold"]), speech_pad_ms=int(numbers["prefix_padding_ms"]),
+                      min_silence_duration_ms=int(numbers["silence_duration_ms"]))  # fmt: skip
 
 
 def _field(form: Any, name: str) -> str | None:
@@ -193,14 +239,15 @@ async def workers_ai_run(
         data = body
     if not data:
         raise InvalidRequestError("the audio is empty", param="audio")
-    if raw.get("vad_filter"):
-        raise InvalidRequestError("vad_filter is not supported yet", param="vad_filter")
+    vad_filter = raw.get("vad_filter", False)
+    if not isinstance(vad_filter, bool):
+        raise InvalidRequestError("vad_filter must be a boolean", param="vad_filter")
     task = raw.get("task", "transcribe")
     samples = await _samples(data, max_audio_seconds, "audio")
     options = TranscribeOptions(
         task=task if isinstance(task, str) else "", language=raw.get("language") or None,
         initial_prompt=raw.get("initial_prompt") or None, prefix=raw.get("prefix") or None,
-        word_timestamps=True,
+        word_timestamps=True, vad_filter=vad_filter,
     )  # fmt: skip
     job = await asyncio.to_thread(engine.job, samples, options)
     result: Transcription = await engine.transcribe(job)
@@ -220,7 +267,9 @@ async def workers_ai_run(
                 for s in result.segments]  # fmt: skip
     info = {"language": result.language,
             "language_probability": result.language_probs.get(result.language, 1.0),
-            "duration": round(result.duration, 3), "duration_after_vad": round(result.duration, 3)}  # fmt: skip
+            "duration": round(result.duration, 3),
+            "duration_after_vad": round(result.duration if result.duration_after_vad is None
+                                        else result.duration_after_vad, 3)}  # fmt: skip
     return {"transcription_info": info, "text": text, "word_count": len(words),
             "segments": segments, "vtt": subtitles(result, "vtt")}  # fmt: skip
 
