@@ -613,7 +613,7 @@ def cmd_transcribe(args: argparse.Namespace) -> int:
     from infire.speech import TranscribeOptions, transcribe
 
     folder = Path(args.model) if args.model else whisper_base_path()
-    whisper = load_whisper(folder)
+    whisper = load_whisper(folder, args.dtype)
     tokenizer = WhisperTokenizer(folder / "tokenizer.json")
     samples = decode_audio(Path(args.file))
     options = TranscribeOptions(task=args.task, language=args.language, beam_size=args.beam_size,
@@ -755,6 +755,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="output (default: text)")  # fmt: skip
     speech.add_argument("--beam-size", type=int, default=1, help="1: greedy (default), else beams")
     speech.add_argument("--word-timestamps", action="store_true", help="words' times in json")
+    speech.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="auto, bfloat16: the decoder's linears in bf16 through the CPU "
+                        "kernel; float32: PyTorch float32 throughout (default: auto)")  # fmt: skip
     speech.add_argument("--vad-filter", action="store_true",
                         help="decode the speech only (webrtcvad; the recording's times kept)")  # fmt: skip
     speech.add_argument("--progress", action="store_true",

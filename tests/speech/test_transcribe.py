@@ -18,9 +18,10 @@ from speech_clips import espeak, faster_whisper_folder, spoken_clips, wer, word_
 
 @pytest.fixture(scope="module")
 def base():
-    return load_whisper(whisper_base_path()), WhisperTokenizer(
-        whisper_base_path() / "tokenizer.json"
-    )
+    """Whisper base as the server runs it: the decoder's linears in bf16 tiles."""
+    whisper = load_whisper(whisper_base_path(), "auto")
+    assert whisper.model.decoder_dtype == "bfloat16"
+    return whisper, WhisperTokenizer(whisper_base_path() / "tokenizer.json")
 
 
 @pytest.fixture(scope="module")

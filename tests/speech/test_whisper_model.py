@@ -99,3 +99,43 @@ def test_whisper_base_greedy_equals_transformers() -> None:
                                 max_new_tokens=32)  # fmt: skip
     got = decode_greedy(whisper, tokenizer, features, [prompt], 32)
     assert [r.tokens for r in got] == want
+
+
+def test_the_decoder_in_bf16_tiles_matches_bf16_weights_in_float32(tiny_whisper) -> None:
+    """`dtype="auto"`: the decoder's linears and output projection in bf16 tiles of the CPU
+    kernel give the logits of the float32 model whose decoder weights are rounded to bf16
+    (float32 sums in another order: within 1e-4), and a sequence's logits do not depend on
+    its batch."""
+    from infire.models.whisper import TiledLinear
+
+    tiled = load_whisper(tiny_whisper, "auto")
+    assert tiled.model.decoder_dtype == "bfloat16"
+    assert isinstance(tiled.model.decoder_layers[0].mlp.fc1, TiledLinear)
+    assert not isinstance(tiled.model.decoder_layers[0].encoder_attn.k_proj, TiledLinear)
+    rounded = load_whisper(tiny_whisper)
+    assert rounded.model.decoder_dtype == "float32"
+    with torch.no_grad():
+        for name, parameter in rounded.model.named_parameters():
+            tiled_name = (
+                name.endswith(".weight") and "norm" not in name and "encoder_attn.k" not in name
+            )
+            if name.startswith("decoder_layers.") and tiled_name and "encoder_attn.v" not in name:
+                parameter.copy_(parameter.bfloat16().float())
+    head = rounded.model.embed_tokens.weight.bfloat16().float()
+    features = log_mel(np.stack([np.pad(_noise_and_tones(s, i), (0, 480000 - int(s * 16000)))
+                                 for i, s in enumerate([4.0, 9.5])]))  # fmt: skip
+    tokens = torch.tensor(
+        [[50258, 50259, 50359, 50363, 440, 1151], [50258, 50259, 50359, 50363, 220, 11]]
+    )
+    model = rounded.model
+    with torch.inference_mode():
+        cache = model.start(model.encode(features))
+        x = model.embed_tokens(tokens) + model.decoder_positions[: tokens.shape[1]]
+        cache.self_kv = [[] for _ in model.decoder_layers]
+        for layer, kv, cross in zip(model.decoder_layers, cache.self_kv, cache.cross, strict=True):
+            x = layer(x, kv, cross)
+        want = model.decoder_norm(x) @ head.T
+    got = tiled.model.decode(tokens, tiled.model.start(tiled.model.encode(features)))
+    assert (got - want).abs().max().item() <= 1e-4
+    alone = tiled.model.decode(tokens[1:], tiled.model.start(tiled.model.encode(features[1:])))
+    assert torch.equal(alone[0], got[1])

@@ -64,8 +64,8 @@ class SpeechEngine:
 
     task = "automatic-speech-recognition"
 
-    def __init__(self, folder: str | Path, max_batch: int = 16) -> None:
-        self.whisper = load_whisper(Path(folder))
+    def __init__(self, folder: str | Path, max_batch: int = 16, dtype: str = "auto") -> None:
+        self.whisper = load_whisper(Path(folder), dtype)
         self.tokenizer = WhisperTokenizer(Path(folder) / "tokenizer.json")
         self.name = Path(folder).name
         self.max_batch = max_batch

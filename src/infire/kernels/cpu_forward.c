@@ -1823,6 +1823,14 @@ static void linear(const InfireModel *m, const void *w, const float *bias, const
         linear_impl(w, WEIGHT_F32, bias, x, n, cols, y, rows, ldy, accumulate, NULL);
 }
 
+/* Exported: y[n, rows] = x[n, cols] W^T (+ bias) for a float32 or bf16 weight in the
+ * kernel's tiles (cpu_forward.py tile_weight), on the OpenMP threads. */
+void infire_dense_linear(const void *w, int bf16, const float *bias, const float *x, int n,
+                         int cols, float *y, int rows) {
+#pragma omp parallel
+    linear_impl(w, bf16 ? WEIGHT_BF16 : WEIGHT_F32, bias, x, n, cols, y, rows, rows, 0, NULL);
+}
+
 /* Exported for the tests and benchmarks: y[n, rows] = x[n, cols] W^T through the kernel's
  * QuantWeight path (the one the forward takes), on the OpenMP threads. */
 void infire_quant_linear(const QuantWeight *w, const float *x, int n, int cols, float *y,

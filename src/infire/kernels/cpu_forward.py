@@ -304,6 +304,19 @@ def dequantize_gather(weight: QuantWeight, ids: torch.Tensor, cols: int) -> torc
 QUANT_ISAS = {1: "avx2", 2: "avx512-vnni", 3: "avx-vnni"}
 
 
+def dense_linear(tiles: torch.Tensor, rows: int, x: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """x [n, cols] float32 times a float32 or bf16 weight of `rows` rows in the kernel's
+    tiles (tile_weight), plus `bias`: float32 activations, float32 sums."""
+    lib = _library()
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], rows)
+    bias_ptr = None if bias is None else _ptr(bias.data_ptr())
+    lib.infire_dense_linear(_ptr(tiles.data_ptr()), int(tiles.dtype == torch.bfloat16), bias_ptr,
+                            _ptr(x.data_ptr()), x.shape[0], x.shape[1], _ptr(y.data_ptr()), rows)  # fmt: skip
+    return y
+
+
 def quant_isa(wanted: str | None = None) -> str:
     """The instruction set of the GGUF products ("avx2", "avx512-vnni" or "avx-vnni"): the
     best this CPU has, or `wanted` where it has that (for tests and benchmarks)."""

@@ -139,11 +139,14 @@ class ServedModels:
         if not is_whisper_folder(Path(config.model)):
             raise ModelLoadError(f"{entry.name}: {config.model} is not a Whisper model (a Hugging "
                                  "Face or CTranslate2 folder)")  # fmt: skip
-        engine = SpeechEngine(config.model)
+        engine = SpeechEngine(
+            config.model, dtype="float32" if config.dtype == "float32" else "auto"
+        )
         engine.name = entry.name
-        logger.info("ready: %s (whisper, %d mel bins, %d+%d layers)", entry.name,
+        logger.info("ready: %s (whisper, %d mel bins, %d+%d layers, decoder in %s)", entry.name,
                     engine.whisper.config.num_mel_bins, engine.whisper.config.encoder_layers,
-                    engine.whisper.config.decoder_layers)  # fmt: skip
+                    engine.whisper.config.decoder_layers,
+                    engine.whisper.model.decoder_dtype)  # fmt: skip
         return engine
 
     def _engine_stats(self) -> list:
