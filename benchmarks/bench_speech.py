@@ -10,7 +10,12 @@ Measures:
 - 8 clips at once: audio seconds transcribed per second of wall time (infire: 8 requests
   to one SpeechEngine, which batches their windows; faster-whisper: 8 threads on one
   model; transformers: one generate call on a batch of 8);
-- peak RSS above the process's baseline after imports.
+- peak RSS above the process's baseline after imports;
+- realtime (infire only: the peers have no realtime route): `infire serve`'s
+  /v1/realtime?intent=transcription over a WebSocket, 6 utterances streamed as PCM16 at
+  real-time pace in 100 ms chunks, each followed by 1.5 s of silence; per turn the time from
+  the end of its speech (its last chunk with speech sent) to `speech_stopped` (the server
+  VAD's 500 ms of silence, at the pace of the audio) and to `.completed`.
 
     .venv/bin/python benchmarks/bench_speech.py        # ~10 minutes on 2 cores
 
@@ -153,6 +158,100 @@ def child(engine: str, paths: list[str]) -> dict:
             "audio_s": [a.size / 16000 for a in audio]}  # fmt: skip
 
 
+def realtime_latency(turns: int = 6) -> dict:
+    """End of an utterance -> `input_audio_buffer.speech_stopped` and -> `...completed`,
+    per turn, through a real `infire serve` (see the module's docstring)."""
+    import base64
+    import tempfile
+    import threading
+
+    import numpy as np
+    from websockets.sync.client import connect
+
+    from infire.audio import decode_audio
+    from infire.serverproc import ServerProcess, free_port
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from speech_clips import SENTENCES, VOICES, espeak
+
+    folder = RESULTS / "speech"
+    speech = []
+    for i in range(turns):
+        path = folder / f"s{i}.wav"
+        if not path.exists():
+            espeak(SENTENCES[i], path, *VOICES[i % len(VOICES)])
+        speech.append(decode_audio(path))
+    rate, chunk = 24000, 2400  # OpenAI's pcm16: 24 kHz; 100 ms a chunk
+
+    def pcm(samples: np.ndarray) -> bytes:
+        times = np.arange(int(samples.size * rate / 16000)) * 16000 / rate
+        up = np.interp(times, np.arange(samples.size), samples)
+        return (np.clip(up, -1, 1) * 32767).astype("<i2").tobytes()
+
+    port = free_port()
+    log = Path(tempfile.mkdtemp()) / "serve.log"
+    server = ServerProcess("infire serve", [sys.executable, "-m", "infire.cli", "serve", "--port", str(port)],
+                           port, f"http://127.0.0.1:{port}/health", log=log, timeout=300)  # fmt: skip
+    try:
+        with connect(f"ws://127.0.0.1:{port}/v1/realtime?intent=transcription") as ws:
+            events: list[tuple[float, dict]] = []
+            done = threading.Event()
+
+            def read() -> None:
+                while not done.is_set():
+                    try:
+                        event = json.loads(ws.recv(timeout=1))
+                    except TimeoutError:
+                        continue
+                    except Exception:  # noqa: BLE001 - the socket closed
+                        return
+                    events.append((time.perf_counter(), event))
+
+            reader = threading.Thread(target=read)
+            reader.start()
+            ws.send(json.dumps({"type": "session.update", "session": {
+                "input_audio_format": "pcm16",
+                "input_audio_transcription": {"model": "whisper-base", "language": "en"},
+                "turn_detection": {"type": "server_vad", "silence_duration_ms": 500}}}))  # fmt: skip
+            time.sleep(1.0)
+            ends = []
+            start = time.perf_counter()
+            sent = 0.0  # seconds of audio sent, at the pace of the audio
+            for samples in speech:
+                audio = pcm(np.concatenate([np.zeros(4800, np.float32), samples]))
+                silence = pcm(np.zeros(24000, np.float32))
+                for part, is_speech in ((audio, True), (silence, False)):
+                    for at in range(0, len(part), 2 * chunk):
+                        piece = part[at : at + 2 * chunk]
+                        wait = start + sent - time.perf_counter()
+                        if wait > 0:
+                            time.sleep(wait)
+                        ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                            "audio": base64.b64encode(piece).decode()}))  # fmt: skip
+                        sent += len(piece) / 2 / rate
+                    if is_speech:
+                        ends.append(time.perf_counter())
+            deadline = time.perf_counter() + 60
+            while time.perf_counter() < deadline:
+                completed = [e for _, e in events if e["type"].endswith("transcription.completed")]
+                if len(completed) >= turns:
+                    break
+                time.sleep(0.1)
+            done.set()
+            reader.join()
+    finally:
+        server.stop()
+    stopped = [t for t, e in events if e["type"] == "input_audio_buffer.speech_stopped"]
+    completed = [t for t, e in events if e["type"].endswith("transcription.completed")]
+    texts = [e["transcript"] for _, e in events if e["type"].endswith("transcription.completed")]
+    if len(stopped) < turns or len(completed) < turns:
+        raise RuntimeError(f"{len(stopped)} turns stopped, {len(completed)} completed of {turns}")
+    return {"to_stopped_s": [s - e for s, e in zip(stopped, ends, strict=False)],
+            "to_completed_s": [c - e for c, e in zip(completed, ends, strict=False)],
+            "stopped_to_completed_s": [c - s for c, s in zip(completed, stopped, strict=False)],
+            "texts": texts}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--child", nargs=2, metavar=("ENGINE", "PATHS"))
@@ -177,6 +276,11 @@ def main() -> None:
             print(f"round {r + 1} {engine}: alone {got['alone_s']:.2f} s, 8 at once "
                   f"{got['together_s']:.1f} s, WER {got['wer']:.3f}, peak RSS "
                   f"{got['peak_rss'] / 2**20:.0f} MiB", flush=True)  # fmt: skip
+    realtime = realtime_latency()
+    results["realtime"] = realtime
+    print("realtime, per turn: end of speech -> speech_stopped "
+          + ", ".join(f"{t:.2f}" for t in realtime["to_stopped_s"]) + " s; -> completed "
+          + ", ".join(f"{t:.2f}" for t in realtime["to_completed_s"]) + " s")  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "speech.json").write_text(json.dumps(results, indent=2))
     audio = sum(results["engines"]["infire"][0]["audio_s"])
@@ -198,6 +302,9 @@ def main() -> None:
     )
     print(f"infire throughput / faster-whisper int8: {rows['infire']['throughput'] / int8['throughput']:.2f}x, "
           f"/ float32: {rows['infire']['throughput'] / fp32['throughput']:.2f}x (target >= 2)")  # fmt: skip
+    print(f"realtime: end of speech -> completed, median "
+          f"{statistics.median(realtime['to_completed_s']):.2f} s (speech_stopped -> completed "
+          f"{statistics.median(realtime['stopped_to_completed_s']):.2f} s)")  # fmt: skip
     plot(rows)
 
 
