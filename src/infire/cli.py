@@ -723,7 +723,8 @@ def build_parser() -> argparse.ArgumentParser:
     compress = commands.add_parser(
         "compress", help="Unweight: compress a model's weights losslessly into a folder"
     )
-    compress.add_argument("src", help="HF model folder or .gguf file (GGUF: dequantized to bf16)")
+    compress.add_argument("src", help="HF model folder or .gguf file (GGUF: dequantized to bf16), "
+                          "or a Whisper folder (Hugging Face or CTranslate2)")  # fmt: skip
     compress.add_argument("dst", help="new folder (must not exist or be empty)")
     compress.add_argument("--form", choices=("rans", "palette"), default="rans",
                           help="rans: smallest (decoded at load); palette: 12 bits per "

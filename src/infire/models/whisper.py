@@ -408,9 +408,14 @@ def whisper_base_path() -> Path:
 def whisper_bytes(path: Path) -> int:
     """Bytes of a Whisper folder's weights in float32 (read off the headers where the
     format has them; a CTranslate2 file is read)."""
+    from infire.unweight.container import UnweightSource, is_unweight_folder
+
     if is_ct2_folder(path):
         shapes = variable_shapes(model_parts(path)).values()
         return sum(math.prod(shape) for shape, _ in shapes if shape) * 4
+    if is_unweight_folder(path):
+        source = UnweightSource(path, None)
+        return sum(math.prod(source.shape(name)) for name in source.names()) * 4
     from safetensors import safe_open
 
     total = 0
@@ -438,7 +443,7 @@ def _ct2_spec_name(path: Path) -> str:
 
 
 def load_whisper(path: Path, dtype: str = "float32") -> LoadedWhisper:
-    """A Whisper from a Hugging Face folder or a CTranslate2 folder. `dtype` "float32":
+    """A Whisper from a Hugging Face, CTranslate2 or Unweight folder. `dtype` "float32":
     PyTorch in float32 throughout; "auto" or "bfloat16": the decoder's linears and output
     projection in bf16 tiles of the CPU kernel (Whisper.tile_decoder) where it runs, the
     rest in float32."""
@@ -446,6 +451,40 @@ def load_whisper(path: Path, dtype: str = "float32") -> LoadedWhisper:
         raise ValueError(
             f"Whisper runs in float32, or with its decoder in bfloat16 (auto), not {dtype!r}"
         )
+    checkpoint = read_whisper(path)
+    model = Whisper(checkpoint.config)
+    state = {name: tensor.float() for name, tensor in from_hf_names(checkpoint.weights).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"{checkpoint.path}: Whisper weights missing {missing[:4]}, unexpected {unexpected[:4]}"
+        )
+    checkpoint.weights.clear()
+    del state
+    if dtype != "float32":
+        from infire.kernels import cpu_forward
+
+        if cpu_forward.available():
+            model.tile_decoder()
+    return LoadedWhisper(model.eval(), checkpoint.path, checkpoint.generation)
+
+
+@dataclass
+class WhisperCheckpoint:
+    """A Whisper folder's weights as stored (Hugging Face names, the file's dtype), its
+    dimensions and its generation settings."""
+
+    path: Path
+    config: WhisperConfig
+    weights: dict[str, torch.Tensor]
+    generation: dict[str, Any]
+
+
+def read_whisper(path: Path) -> WhisperCheckpoint:
+    """A Hugging Face, CTranslate2 or Unweight (compressed: each tensor decoded and checked)
+    Whisper folder, read whole."""
+    from infire.unweight.container import UnweightSource, is_unweight_folder
+
     path = Path(path).expanduser()
     if is_ct2_folder(path):
         ct2 = read_model_bin(model_parts(path))
@@ -454,29 +493,30 @@ def load_whisper(path: Path, dtype: str = "float32") -> LoadedWhisper:
         weights, heads = ct2_to_hf(ct2.variables)
         config = WhisperConfig.from_weights(weights, heads)
         generation = _ct2_generation(read_json(path / "config.json", False))
+        return WhisperCheckpoint(path, config, weights, generation)
+    raw = read_json(path / "config.json", True)
+    config = WhisperConfig.from_hf(raw)
+    generation = {**raw, **read_json(path / "generation_config.json", False)}
+    if is_unweight_folder(path):
+        source = UnweightSource(path, None)
+        weights = {name: source.decode(name) for name in source.names()}
     else:
         from safetensors.torch import load_file
 
-        raw = read_json(path / "config.json", True)
-        config = WhisperConfig.from_hf(raw)
         weights = {}
         for file in safetensors_files(path):
             weights.update(load_file(file))
-        generation = {**raw, **read_json(path / "generation_config.json", False)}
-    model = Whisper(config)
-    state = {name: tensor.float() for name, tensor in from_hf_names(weights).items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ModelLoadError(
-            f"{path}: Whisper weights missing {missing[:4]}, unexpected {unexpected[:4]}"
-        )
-    del weights, state
-    if dtype != "float32":
-        from infire.kernels import cpu_forward
+    return WhisperCheckpoint(path, config, weights, generation)
 
-        if cpu_forward.available():
-            model.tile_decoder()
-    return LoadedWhisper(model.eval(), path, generation)
+
+def hf_whisper_files(checkpoint: WhisperCheckpoint) -> dict[str, dict[str, Any]]:
+    """config.json (Hugging Face's WhisperConfig fields) and generation_config.json of a
+    checkpoint, as a Hugging Face folder of it would hold them."""
+    config = {"model_type": "whisper", "architectures": ["WhisperForConditionalGeneration"],
+              "activation_function": "gelu",
+              **{name: getattr(checkpoint.config, name) for name in WhisperConfig.__dataclass_fields__}}  # fmt: skip
+    generation = {key: value for key, value in checkpoint.generation.items() if key not in config}
+    return {"config.json": config, "generation_config.json": generation}
 
 
 def _ct2_generation(raw: dict[str, Any]) -> dict[str, Any]:

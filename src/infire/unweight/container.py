@@ -221,11 +221,17 @@ def compress_model(
     progress: bool = True,
     report: Callable[[str], None] | None = None,
 ) -> dict[str, CompressedTensor]:
-    """Compress an HF folder or a GGUF (dequantized to BF16) into the folder dst."""
+    """Compress an HF folder, a GGUF (dequantized to BF16) or a Whisper folder (Hugging
+    Face or CTranslate2: its tensors in Hugging Face's names and the file's dtype, with a
+    Hugging Face config.json) into the folder dst."""
     if tensors not in TENSOR_SETS:
         raise UnweightError(f"--tensors {tensors!r}: expected one of {', '.join(TENSOR_SETS)}")
     if dst.exists() and any(dst.iterdir()):
         raise UnweightError(f"{dst}: the destination exists and is not empty")
+    from infire.models.whisper import is_whisper_folder
+
+    if is_whisper_folder(src):
+        return _compress_whisper(src, dst, form, tensors, progress, report)
     config, weights, tokenizer = _open_original(src)
     if not src.is_dir():
         hf_config(config, "bfloat16")  # refuses a family it cannot write, before dst exists
@@ -245,9 +251,42 @@ def compress_model(
         original += weight.numel() * weight.element_size()
     save(compressed, dst)
     if report:
-        size = sum(c.nbytes for c in compressed.values())
-        report(f"{len(compressed)} tensors: {original / 1e6:.1f} MB -> {size / 1e6:.1f} MB "
-               f"({size / original:.4f} of the original)")  # fmt: skip
+        report(_summary(compressed, original))
+    return compressed
+
+
+def _summary(compressed: dict[str, CompressedTensor], original: int) -> str:
+    size = sum(c.nbytes for c in compressed.values())
+    return (f"{len(compressed)} tensors: {original / 1e6:.1f} MB -> {size / 1e6:.1f} MB "
+            f"({size / original:.4f} of the original)")  # fmt: skip
+
+
+def _compress_whisper(src: Path, dst: Path, form: str, tensors: str, progress: bool,
+                      report: Callable[[str], None] | None) -> dict[str, CompressedTensor]:  # fmt: skip
+    """compress_model for a Whisper folder (load_whisper reads the result)."""
+    from infire.models.whisper import hf_whisper_files, read_whisper
+
+    if is_unweight_folder(src):
+        raise UnweightError(f"{src}: already an Unweight folder (give the original model)")
+    checkpoint = read_whisper(src)
+    dst.mkdir(parents=True, exist_ok=True)
+    for name, content in hf_whisper_files(checkpoint).items():
+        (dst / name).write_text(json.dumps(content, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json",
+                 "vocabulary.json", "special_tokens_map.json"):  # fmt: skip
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+    compressed = {}
+    for name, weight in tqdm(checkpoint.weights.items(), desc=f"compressing ({form})",
+                             disable=not progress, unit="tensor"):  # fmt: skip
+        compressed[name] = compress_tensor(weight, form if selected(name, tensors) else "raw")
+    save(compressed, dst)
+    if report:
+        report(
+            _summary(
+                compressed, sum(w.numel() * w.element_size() for w in checkpoint.weights.values())
+            )
+        )
     return compressed
 
 
@@ -262,7 +301,12 @@ def verify(dst: Path, against: Path | None = None, progress: bool = True) -> lis
         except UnweightError as e:
             problems.append(str(e))
     if against is not None:
-        _, weights, _ = _open_original(against)
+        from infire.models.whisper import is_whisper_folder, read_whisper
+
+        if is_whisper_folder(against):
+            weights: Any = read_whisper(against).weights
+        else:
+            _, weights, _ = _open_original(against)
         for name in sorted(set(weights) - set(tensors)):
             problems.append(f"{name}: in {against} but missing from {dst}")
         for name in sorted(set(tensors) - set(weights)):
