@@ -103,9 +103,9 @@ def test_whisper_base_greedy_equals_transformers() -> None:
 
 def test_the_decoder_in_bf16_tiles_matches_bf16_weights_in_float32(tiny_whisper) -> None:
     """`dtype="auto"`: the decoder's linears and output projection in bf16 tiles of the CPU
-    kernel give the logits of the float32 model whose decoder weights are rounded to bf16
-    (float32 sums in another order: within 1e-4), and a sequence's logits do not depend on
-    its batch."""
+    kernel, and the cross-attention over the encoding's k and v in bf16, give the logits of
+    the float32 model whose decoder weights and cross k, v are rounded to bf16 (float32 sums
+    in another order: within 1e-4), and a sequence's logits do not depend on its batch."""
     from infire.models.whisper import TiledLinear
 
     tiled = load_whisper(tiny_whisper, "auto")
@@ -130,6 +130,7 @@ def test_the_decoder_in_bf16_tiles_matches_bf16_weights_in_float32(tiny_whisper)
     model = rounded.model
     with torch.inference_mode():
         cache = model.start(model.encode(features))
+        cache.cross = [(k.bfloat16().float(), v.bfloat16().float()) for k, v in cache.cross]
         x = model.embed_tokens(tokens) + model.decoder_positions[: tokens.shape[1]]
         cache.self_kv = [[] for _ in model.decoder_layers]
         for layer, kv, cross in zip(model.decoder_layers, cache.self_kv, cache.cross, strict=True):

@@ -1959,45 +1959,100 @@ static inline __m256 dot8(const float *q, const char *k, long stride, int dim, c
 /* `fixed_hd`: head_dim as a constant (64), so the output's accumulators stay in registers
  * (in memory, each position's fused multiply-adds waited on the stores before them), or
  * 0 for any head_dim. The same operations either way. */
+/* A query's running softmax over the keys seen so far: the weighted sum of their values,
+ * the largest score and the sum of exp(score - max). */
+typedef struct {
+    __m256 acc[MAX_HEAD_DIM / 8];
+    float max, denom;
+} Softmax;
+
+static inline __attribute__((always_inline)) void softmax_start(Softmax *s, const int hd) {
+    for (int i = 0; i < hd; i += 8) s->acc[i / 8] = _mm256_setzero_ps();
+    s->max = -INFINITY, s->denom = 0.0f;
+}
+
+/* `count` more keys and values, `stride` bytes apart (`scores`: room for count + 8). */
+static inline __attribute__((always_inline)) void attend_span(
+    const float *q, const char *keys, const char *values, long stride, int count, const int hd,
+    const int bf16, float scale, float *scores, Softmax *s) {
+    int j = 0;
+    for (; j + 8 <= count; j += 8)
+        _mm256_storeu_ps(scores + j, _mm256_mul_ps(dot8(q, keys + j * stride, stride, hd, bf16), _mm256_set1_ps(scale)));
+    for (; j < count; j++) scores[j] = dot(q, keys + j * stride, hd, bf16) * scale;
+    float block_max = -INFINITY;
+    for (j = 0; j < count; j++) block_max = scores[j] > block_max ? scores[j] : block_max;
+    if (block_max > s->max) {
+        float correction = expf(s->max - block_max);
+        s->denom *= correction;
+        for (int i = 0; i < hd; i += 8) s->acc[i / 8] = _mm256_mul_ps(s->acc[i / 8], _mm256_set1_ps(correction));
+        s->max = block_max;
+    }
+    for (j = 0; j < count; j += 8)
+        _mm256_storeu_ps(scores + j, exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + j), _mm256_set1_ps(s->max))));
+    for (j = 0; j < count; j++) {
+        s->denom += scores[j];
+        __m256 p = _mm256_set1_ps(scores[j]);
+        const char *v = values + j * stride;
+        for (int i = 0; i < hd; i += 8) s->acc[i / 8] = _mm256_fmadd_ps(p, load8(v, i, bf16), s->acc[i / 8]);
+    }
+}
+
+static inline __attribute__((always_inline)) void softmax_end(const Softmax *s, const int hd, float *out) {
+    for (int i = 0; i < hd; i += 8) _mm256_storeu_ps(out + i, _mm256_div_ps(s->acc[i / 8], _mm256_set1_ps(s->denom)));
+}
+
 static inline __attribute__((always_inline)) void attend_impl(
     const InfireModel *m, int layer, const float *q, int kv_head, const int32_t *table,
     int context, float *out, const int bf16, const int fixed_hd) {
     const int hd = fixed_hd ? fixed_hd : m->head_dim, bs = m->block_size;
     long elem = bf16 ? 2 : 4, stride = (long)m->num_kv_heads * hd * elem;
     long head_off = (long)kv_head * hd * elem;
-    __m256 acc[MAX_HEAD_DIM / 8];
-    for (int i = 0; i < hd; i += 8) acc[i / 8] = _mm256_setzero_ps();
+    Softmax s;
+    softmax_start(&s, hd);
     float scores[bs + 8];
-    float max = -INFINITY, denom = 0.0f;
-    __m256 scale = _mm256_set1_ps(m->scale);
     for (int start = 0; start < context; start += bs) {
         int count = context - start < bs ? context - start : bs;
         long first = (long)table[start / bs] * bs;
         const char *keys = (const char *)kv_slot(m, layer, 0, first) + head_off;
         const char *values = (const char *)kv_slot(m, layer, 1, first) + head_off;
-        int j = 0;
-        for (; j + 8 <= count; j += 8)
-            _mm256_storeu_ps(scores + j, _mm256_mul_ps(dot8(q, keys + j * stride, stride, hd, bf16), scale));
-        for (; j < count; j++) scores[j] = dot(q, keys + j * stride, hd, bf16) * m->scale;
-        float block_max = -INFINITY;
-        for (j = 0; j < count; j++) block_max = scores[j] > block_max ? scores[j] : block_max;
-        if (block_max > max) {
-            float correction = expf(max - block_max);
-            denom *= correction;
-            for (int i = 0; i < hd; i += 8) acc[i / 8] = _mm256_mul_ps(acc[i / 8], _mm256_set1_ps(correction));
-            max = block_max;
-        }
-        for (j = 0; j < count; j += 8)
-            _mm256_storeu_ps(scores + j,
-                             exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + j), _mm256_set1_ps(max))));
-        for (j = 0; j < count; j++) {
-            denom += scores[j];
-            __m256 p = _mm256_set1_ps(scores[j]);
-            const char *v = values + j * stride;
-            for (int i = 0; i < hd; i += 8) acc[i / 8] = _mm256_fmadd_ps(p, load8(v, i, bf16), acc[i / 8]);
-        }
+        attend_span(q, keys, values, stride, count, hd, bf16, m->scale, scores, &s);
     }
-    for (int i = 0; i < hd; i += 8) _mm256_storeu_ps(out + i, _mm256_div_ps(acc[i / 8], _mm256_set1_ps(denom)));
+    softmax_end(&s, hd, out);
+}
+
+#define DENSE_SPAN 64 /* keys a step of attend_dense */
+
+static inline __attribute__((always_inline)) void attend_dense(const float *q, const char *k,
+                                                                const char *v, int keys, const int hd,
+                                                                float scale, float *out) {
+    Softmax s;
+    softmax_start(&s, hd);
+    float scores[DENSE_SPAN + 8];
+    const long stride = 2L * hd;
+    for (int start = 0; start < keys; start += DENSE_SPAN) {
+        const int count = keys - start < DENSE_SPAN ? keys - start : DENSE_SPAN;
+        attend_span(q, k + start * stride, v + start * stride, stride, count, hd, 1, scale, scores, &s);
+    }
+    softmax_end(&s, hd, out);
+}
+
+/* Exported: out = softmax(q K^T scale) V per (sequence, head, query): q and out [batch,
+ * heads, queries, head_dim] float32, k and v [batch, heads, keys, head_dim] bf16, contiguous
+ * (Whisper's cross-attention over a window's encoding), on the OpenMP threads. head_dim a
+ * multiple of 8, at most MAX_HEAD_DIM. */
+void infire_attend_dense_bf16(const float *q, const uint16_t *k, const uint16_t *v, int batch,
+                              int heads, int queries, int keys, int head_dim, float scale,
+                              float *out) {
+    const long items = (long)batch * heads * queries;
+#pragma omp parallel for schedule(static)
+    for (long item = 0; item < items; item++) {
+        const long bh = item / queries, at = bh * keys * head_dim;
+        const char *kb = (const char *)(k + at), *vb = (const char *)(v + at);
+        if (head_dim == 64)
+            attend_dense(q + item * 64, kb, vb, keys, 64, scale, out + item * 64);
+        else
+            attend_dense(q + item * head_dim, kb, vb, keys, head_dim, scale, out + item * head_dim);
+    }
 }
 
 static void attend(const InfireModel *m, int layer, const float *q, int kv_head,

@@ -317,6 +317,23 @@ def dense_linear(tiles: torch.Tensor, rows: int, x: torch.Tensor,
     return y
 
 
+def attend_dense_bf16(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """softmax(q k^T scale) v per (sequence, head): q [B, H, T, D] float32, k and v [B, H,
+    S, D] bf16; float32 scores, sums and result [B, H, T, D]."""
+    b, h, t, d = q.shape
+    if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or d % 8 or d > MAX_HEAD_DIM:
+        raise ValueError("attend_dense_bf16 takes bf16 k and v and a head dim a multiple of 8")
+    q, k, v = q.float().contiguous(), k.contiguous(), v.contiguous()
+    out = torch.empty(b, h, t, d)
+    _library().infire_attend_dense_bf16(
+        _ptr(q.data_ptr()), _ptr(k.data_ptr()), _ptr(v.data_ptr()), b, h, t, k.shape[2], d,
+        ctypes.c_float(scale), _ptr(out.data_ptr()),
+    )  # fmt: skip
+    return out
+
+
 def quant_isa(wanted: str | None = None) -> str:
     """The instruction set of the GGUF products ("avx2", "avx512-vnni" or "avx-vnni"): the
     best this CPU has, or `wanted` where it has that (for tests and benchmarks)."""
