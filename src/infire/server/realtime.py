@@ -50,7 +50,9 @@ from infire.vad import FRAME, FrameVad
 
 logger = logging.getLogger("infire.server.realtime")
 
-PARTIAL_EVERY = 1.0  # seconds of new speech between two partial transcriptions
+# seconds of new audio between two partial transcriptions; a pass starts on a voiced frame
+# only (one begun in the silence that ends a turn would hold up the turn's final pass)
+PARTIAL_EVERY = 1.0
 
 
 def resample(samples: np.ndarray, rate: int) -> np.ndarray:
@@ -249,7 +251,7 @@ class RealtimeSession:
             await self.send({"type": "input_audio_buffer.speech_stopped",
                              "audio_end_ms": self.heard_ms, "item_id": turn.item_id})  # fmt: skip
             await self.end_turn()
-        elif turn.since_partial >= PARTIAL_EVERY * SAMPLE_RATE and not any(
+        elif voiced and turn.since_partial >= PARTIAL_EVERY * SAMPLE_RATE and not any(
             t.get_name() == f"partial-{turn.item_id}" for t in self.tasks
         ):
             turn.since_partial = 0
