@@ -251,8 +251,10 @@ class RealtimeSession:
             await self.send({"type": "input_audio_buffer.speech_stopped",
                              "audio_end_ms": self.heard_ms, "item_id": turn.item_id})  # fmt: skip
             await self.end_turn()
-        elif voiced and turn.since_partial >= PARTIAL_EVERY * SAMPLE_RATE and not any(
-            t.get_name() == f"partial-{turn.item_id}" for t in self.tasks
+        elif (
+            voiced
+            and turn.since_partial >= PARTIAL_EVERY * SAMPLE_RATE
+            and not any(t.get_name() == f"partial-{turn.item_id}" for t in self.tasks)
         ):
             turn.since_partial = 0
             self.start(self.partial(turn), f"partial-{turn.item_id}")
