@@ -123,42 +123,44 @@ def decode_greedy(
     sampled: list[list[int]] = [[] for _ in prompts]
     logprob = [0.0] * len(prompts)
     no_speech = [0.0] * len(prompts)
-    # windows with prompts of the same length run together (one prefill, then steps)
-    by_length: dict[int, list[int]] = {}
-    for index, prompt in enumerate(prompts):
-        by_length.setdefault(len(prompt), []).append(index)
-    for rows in by_length.values():
-        cache = model.start(encoded[rows])
-        tokens = torch.tensor([prompts[i] for i in rows])
-        logits = model.decode(tokens, cache)
-        sot_at = prompts[rows[0]].index(tokenizer.sot)
-        probs = torch.softmax(logits[:, sot_at].float(), dim=-1)
-        for j, i in enumerate(rows):
-            no_speech[i] = float(probs[j, tokenizer.no_speech])
-        step = logits[:, -1]
-        live = list(range(len(rows)))
-        while live:
-            step = rules.apply(step.clone(), [sampled[rows[j]] for j in live])
-            logprobs = torch.log_softmax(step.float(), dim=-1)
-            chosen = step.argmax(dim=-1)
-            keep = []
-            for k, j in enumerate(live):
-                i, token = rows[j], int(chosen[k])
-                logprob[i] += float(logprobs[k, token])
-                if token == tokenizer.eot or len(sampled[i]) + 1 >= max_new_tokens:
-                    if token != tokenizer.eot:
-                        sampled[i].append(token)
-                    results[i] = WindowResult(sampled[i], logprob[i], no_speech[i])
-                else:
+    # every window runs together (one prefill, then steps), prompts of different lengths
+    # left-padded (DecoderCache.pad: masked, positions after the padding)
+    longest = max(len(p) for p in prompts)
+    pads = [longest - len(p) for p in prompts]
+    cache = model.start(encoded)
+    if any(pads):
+        cache.pad = torch.tensor(pads)
+    tokens = torch.tensor(
+        [[tokenizer.eot] * pad + prompt for pad, prompt in zip(pads, prompts, strict=True)]
+    )
+    logits = model.decode(tokens, cache)
+    for i, prompt in enumerate(prompts):
+        sot_at = pads[i] + prompt.index(tokenizer.sot)
+        no_speech[i] = float(torch.softmax(logits[i, sot_at].float(), dim=-1)[tokenizer.no_speech])
+    step = logits[:, -1]
+    live = list(range(len(prompts)))  # the windows still decoding, in the batch's order
+    while live:
+        step = rules.apply(step.clone(), [sampled[i] for i in live])
+        logprobs = torch.log_softmax(step.float(), dim=-1)
+        chosen = step.argmax(dim=-1)
+        keep = []
+        for k, i in enumerate(live):
+            token = int(chosen[k])
+            logprob[i] += float(logprobs[k, token])
+            if token == tokenizer.eot or len(sampled[i]) + 1 >= max_new_tokens:
+                if token != tokenizer.eot:
                     sampled[i].append(token)
-                    keep.append(k)
-            if not keep:
-                break
-            if len(keep) < len(live):
-                cache = cache.select(torch.tensor(keep))
-                chosen = chosen[keep]
-            live = [live[k] for k in keep]
-            step = model.decode(chosen[:, None], cache)[:, -1]
+                results[i] = WindowResult(sampled[i], logprob[i], no_speech[i])
+            else:
+                sampled[i].append(token)
+                keep.append(k)
+        if not keep:
+            break
+        if len(keep) < len(live):
+            cache = cache.select(torch.tensor(keep))
+            chosen = chosen[keep]
+        live = [live[k] for k in keep]
+        step = model.decode(chosen[:, None], cache)[:, -1]
     return [r for r in results if r is not None]
 
 

@@ -140,3 +140,30 @@ def test_the_decoder_in_bf16_tiles_matches_bf16_weights_in_float32(tiny_whisper)
     assert (got - want).abs().max().item() <= 1e-4
     alone = tiled.model.decode(tokens[1:], tiled.model.start(tiled.model.encode(features[1:])))
     assert torch.equal(alone[0], got[1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_windows_with_prompts_of_different_lengths_batch_as_each_alone(tiny_whisper, dtype) -> None:
+    """Prompts of different lengths (previous text after <|startofprev|>) run in one batch,
+    left-padded: each window's tokens, log-probability and no-speech probability are those
+    it gets alone."""
+    whisper = load_whisper(tiny_whisper, dtype)
+    tokenizer = WhisperTokenizer(tiny_whisper / "tokenizer.json")
+    features = log_mel(np.stack([np.pad(_noise_and_tones(s, i), (0, 480000 - int(s * 16000)))
+                                 for i, s in enumerate([4.0, 9.5, 30.0])]))  # fmt: skip
+    sot = tokenizer.sot_sequence("en", "transcribe")
+    previous = tokenizer.encode(" The quick brown fox jumps over the lazy dog.")
+    prompts = [
+        sot,
+        [tokenizer.sot_prev, *previous, *sot],
+        [tokenizer.sot_prev, *previous[:3], *sot],
+    ]
+    for timestamps in (False, True):
+        batched = decode_greedy(whisper, tokenizer, features, prompts, 20, timestamps)
+        for i, prompt in enumerate(prompts):
+            alone = decode_greedy(
+                whisper, tokenizer, features[i : i + 1], [prompt], 20, timestamps
+            )[0]
+            assert batched[i].tokens == alone.tokens
+            assert batched[i].sum_logprob == pytest.approx(alone.sum_logprob, abs=1e-4)
+            assert batched[i].no_speech_prob == pytest.approx(alone.no_speech_prob, abs=1e-5)

@@ -100,16 +100,21 @@ class Attention(nn.Module):
         return self.split(self.k_proj(x)), self.split(self.v_proj(x))
 
     def attend(
-        self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+        self,
+        x: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`mask` [B, 1, T, S] (True: attend) in place of the causal mask where given."""
         q = self.split(self.q_proj(x))
         if k.dtype == torch.bfloat16:  # a window's encoding in bf16 (Whisper.start, tiled)
             from infire.kernels.cpu_forward import attend_dense_bf16
 
             out = attend_dense_bf16(q, k, v, self.head_dim**-0.5)
             return self.out_proj(out.transpose(1, 2).reshape(x.shape))
-        mask = None
-        if causal and x.shape[1] > 1:  # the new tokens are the last of k's
+        if mask is None and causal and x.shape[1] > 1:  # the new tokens are the last of k's
             t, s = x.shape[1], k.shape[2]
             mask = torch.ones(t, s, dtype=torch.bool).tril(s - t)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
@@ -177,15 +182,17 @@ class DecoderLayer(nn.Module):
         cache: list[torch.Tensor],
         cross: tuple[torch.Tensor, torch.Tensor],
         logits: list[torch.Tensor] | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`logits`: where to append the cross-attention's q.k / sqrt(head_dim) [B, heads,
-        T, frames] (word alignment reads them)."""
+        T, frames] (word alignment reads them); `mask`: the self-attention's (DecoderCache
+        with padding)."""
         h = self.self_attn_layer_norm(x)
         k, v = self.self_attn.kv(h)
         if cache:
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
         cache[:] = [k, v]
-        x = x + self.self_attn.attend(h, k, v, causal=True)
+        x = x + self.self_attn.attend(h, k, v, causal=True, mask=mask)
         h = self.encoder_attn_layer_norm(x)
         if logits is not None:
             q = self.encoder_attn.split(self.encoder_attn.q_proj(h))
@@ -204,6 +211,10 @@ class DecoderCache:
     cross: list[tuple[torch.Tensor, torch.Tensor]]
     self_kv: list[list[torch.Tensor]] = field(default_factory=list)
     length: int = 0
+    # per sequence, the slots of padding before its tokens (sequences of different lengths
+    # in one batch are left-padded: a sequence's keys there are masked, its positions start
+    # after them); None: no padding
+    pad: torch.Tensor | None = None
 
     def select(self, rows: torch.Tensor) -> DecoderCache:
         """The cache of some of the sequences (beams kept, sequences still running)."""
@@ -211,6 +222,7 @@ class DecoderCache:
             [(k[rows], v[rows]) for k, v in self.cross],
             [[t[rows] for t in kv] for kv in self.self_kv],
             self.length,
+            None if self.pad is None else self.pad[rows],
         )
 
 
@@ -287,14 +299,24 @@ class Whisper(nn.Module):
     ) -> torch.Tensor:
         """Logits [B, T, vocab] of `tokens` [B, T], the tokens after the cache's
         (`cross_logits`: each layer's cross-attention logits are appended to it)."""
-        start = cache.length
-        if start + tokens.shape[1] > self.config.max_target_positions:
+        start, count = cache.length, tokens.shape[1]
+        if start + count > self.config.max_target_positions:
             raise ValueError(f"the decoder holds {self.config.max_target_positions} tokens")
-        x = self.embed_tokens(tokens) + self.decoder_positions[start : start + tokens.shape[1]]
+        mask = None
+        if cache.pad is not None and bool(cache.pad.any()):
+            slots = torch.arange(start + count)  # key slots
+            at = torch.arange(start, start + count)  # the new tokens' slots
+            positions = (at[None, :] - cache.pad[:, None]).clamp(min=0)
+            x = self.embed_tokens(tokens) + self.decoder_positions[positions]
+            # a token sees its sequence's keys up to itself; a padding slot only itself
+            mask = (slots[None, None, :] >= cache.pad[:, None, None]) | (slots == at[:, None])[None]
+            mask = (mask & (slots[None, :] <= at[:, None])[None])[:, None]
+        else:
+            x = self.embed_tokens(tokens) + self.decoder_positions[start : start + count]
         if not cache.self_kv:
             cache.self_kv = [[] for _ in self.decoder_layers]
         for layer, kv, cross in zip(self.decoder_layers, cache.self_kv, cache.cross, strict=True):
-            x = layer(x, kv, cross, cross_logits)
+            x = layer(x, kv, cross, cross_logits, mask)
         cache.length = start + tokens.shape[1]
         x = self.decoder_norm(x)
         return x @ self.embed_tokens.weight.T if self.head is None else self.head(x)
