@@ -485,9 +485,10 @@ def load_whisper(path: Path, dtype: str = "float32") -> LoadedWhisper:
             f"Whisper runs in float32, or with its decoder in bfloat16 (auto), not {dtype!r}"
         )
     checkpoint = read_whisper(path)
-    model = Whisper(checkpoint.config)
+    with torch.device("meta"):  # no memory, no initialization: the checkpoint's tensors are taken
+        model = Whisper(checkpoint.config)
     state = {name: tensor.float() for name, tensor in from_hf_names(checkpoint.weights).items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise ModelLoadError(
             f"{checkpoint.path}: Whisper weights missing {missing[:4]}, unexpected {unexpected[:4]}"
