@@ -1378,7 +1378,7 @@ static inline __m256i lane_bytes16(__m256i v, int j, int pair) {
     return _mm256_shuffle_epi8(v, _mm256_add_epi32(lanes, _mm256_set1_epi32(lo | 0x8000 | hi << 16 | (int)0x80000000)));
 }
 
-/* Q4_K rows in groups of 16 (see group_layout, q4k_group_codes) with tokens t0 .. t0 + tk - 1's
+/* Q4_K rows in groups of 16 (see group_layout, nibble_group_codes) with tokens t0 .. t0 + tk - 1's
  * per-256 activations: a vector's low nibbles are 8 rows' codes, its high nibbles the other 8
  * rows', both meeting one broadcast of a token's 4 activations. A sub-block's 8 `vpmaddubsw`
  * a row half (codes 0..15, pair sums at most 3840) add up in 16 bits before `vpmaddwd`
@@ -1461,32 +1461,25 @@ static inline __attribute__((always_inline)) void rows16_q4k(const int tk, const
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + (long)(t0 + j) * GROUP_ROWS + 8 * h, acc[h][j]);
 }
 
-/* 4 tokens a pass over a group's codes for batches (fewer unpacks a product: Q4_K at batch
- * 32 in cache 201 -> 250 GOP/s, Q4_1 198 -> 215 on Zen 3), 2 for one to three tokens (a
- * decode step from memory ran 20% slower with the registers of 4). */
-/* rows16_q4k and rows16_q4 in whole passes of TK tokens, then the rest in one. */
-#define ROWS16_PASSES(KERNEL, TK)                                                               \
+/* rows16_q4k and rows16_q4 in whole passes of 3 tokens, then the rest (2 or 1) in one. */
+#define ROWS16_PASSES(KERNEL)                                                                   \
     do {                                                                                        \
         int t0 = 0;                                                                             \
-        for (; t0 + (TK) <= nt; t0 += (TK)) KERNEL((TK), group, t0, x, out);                    \
-        if (nt - t0 == 3) KERNEL(3, group, t0, x, out);                                         \
-        else if (nt - t0 == 2) KERNEL(2, group, t0, x, out);                                    \
+        for (; t0 + 3 <= nt; t0 += 3) KERNEL(3, group, t0, x, out);                             \
+        if (nt - t0 == 2) KERNEL(2, group, t0, x, out);                                         \
         else if (nt - t0 == 1) KERNEL(1, group, t0, x, out);                                    \
     } while (0)
 #define ROWS16_Q4_0(...) rows16_q4(GGML_Q4_0, __VA_ARGS__)
 #define ROWS16_Q4_1(...) rows16_q4(GGML_Q4_1, __VA_ARGS__)
-#ifndef Q4_TK
-#define Q4_TK 3
-#endif
 
 /* 3 tokens a pass over a group's 4-bit codes (2 x 3 sums and 3 broadcasts in registers: Q4_K
  * 195 GOP/s a Zen 3 core in L1; 4 spill, 153), Q8_0 4 for batches (fewer unpacks a
  * product), 2 for one to three tokens (a decode step from memory ran 20% slower with the
  * registers of 4). */
 static void rows16_dots256(int type, const uint8_t *group, int nt, const QuantX *x, float *out) {
-    if (type == GGML_Q4_K) ROWS16_PASSES(rows16_q4k, 3);
-    else if (type == GGML_Q4_0) ROWS16_PASSES(ROWS16_Q4_0, Q4_TK);
-    else if (type == GGML_Q4_1) ROWS16_PASSES(ROWS16_Q4_1, Q4_TK);
+    if (type == GGML_Q4_K) ROWS16_PASSES(rows16_q4k);
+    else if (type == GGML_Q4_0) ROWS16_PASSES(ROWS16_Q4_0);
+    else if (type == GGML_Q4_1) ROWS16_PASSES(ROWS16_Q4_1);
     else if (nt >= 4) rows16_q8_0(4, group, nt, x, out);
     else rows16_q8_0(2, group, nt, x, out);
 }

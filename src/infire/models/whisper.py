@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infire.errors import ModelLoadError
+from infire.kernels.cpu_forward import attend_dense_bf16, dense_linear, tile_weight
 from infire.models.checkpoint import read_json, safetensors_files
 from infire.models.ct2 import is_ct2_folder, model_parts, read_model_bin, variable_shapes
 
@@ -110,8 +111,6 @@ class Attention(nn.Module):
         """`mask` [B, 1, T, S] (True: attend) in place of the causal mask where given."""
         q = self.split(self.q_proj(x))
         if k.dtype == torch.bfloat16:  # a window's encoding in bf16 (Whisper.start, tiled)
-            from infire.kernels.cpu_forward import attend_dense_bf16
-
             out = attend_dense_bf16(q, k, v, self.head_dim**-0.5)
             return self.out_proj(out.transpose(1, 2).reshape(x.shape))
         if mask is None and causal and x.shape[1] > 1:  # the new tokens are the last of k's
@@ -127,16 +126,12 @@ class TiledLinear(nn.Module):
     bytes of float32, and a token's result does not depend on its batch."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        from infire.kernels.cpu_forward import tile_weight
-
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.tiles = tile_weight(weight.detach().bfloat16())
         self.bias = None if bias is None else bias.detach().float().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from infire.kernels.cpu_forward import dense_linear
-
         y = dense_linear(self.tiles, self.out_features, x.reshape(-1, self.in_features), self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 

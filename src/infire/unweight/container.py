@@ -266,16 +266,14 @@ def _compress_whisper(src: Path, dst: Path, form: str, tensors: str, progress: b
     """compress_model for a Whisper folder (load_whisper reads the result)."""
     from infire.models.whisper import hf_whisper_files, read_whisper
 
-    if is_unweight_folder(src):
-        raise UnweightError(f"{src}: already an Unweight folder (give the original model)")
+    _refuse_compressed(src)
     checkpoint = read_whisper(src)
     dst.mkdir(parents=True, exist_ok=True)
-    for name, content in hf_whisper_files(checkpoint).items():
-        (dst / name).write_text(json.dumps(content, indent=2))
-    for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json",
-                 "vocabulary.json", "special_tokens_map.json"):  # fmt: skip
+    for name in (*_KEEP, "preprocessor_config.json", "vocabulary.json"):
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)
+    for name, content in hf_whisper_files(checkpoint).items():  # over a CTranslate2 config
+        (dst / name).write_text(json.dumps(content, indent=2))
     compressed = {}
     for name, weight in tqdm(checkpoint.weights.items(), desc=f"compressing ({form})",
                              disable=not progress, unit="tensor"):  # fmt: skip
@@ -320,9 +318,13 @@ def verify(dst: Path, against: Path | None = None, progress: bool = True) -> lis
 
 def _open_original(path: Path) -> tuple[ModelConfig, WeightSource, Tokenizer]:
     """An original (not compressed) model as stored, lazily: a GGUF dequantized to BF16."""
+    _refuse_compressed(path)
+    return open_checkpoint(path, None)
+
+
+def _refuse_compressed(path: Path) -> None:
     if is_unweight_folder(path):
         raise UnweightError(f"{path}: already an Unweight folder (give the original model)")
-    return open_checkpoint(path, None)
 
 
 def inspect_rows(tensors: dict[str, CompressedTensor]) -> Iterator[dict]:
