@@ -11,7 +11,7 @@ from infire.audio import log_mel
 from infire.models.ct2 import model_parts, read_model_bin
 from infire.models.whisper import load_whisper, whisper_base_path
 from infire.models.whisper_tokenizer import WhisperTokenizer
-from infire.speech import decode_greedy
+from infire.speech import WindowBatcher, decode_greedy
 from whisper_models import whisper_base_in_transformers, write_tiny_whisper
 
 
@@ -144,9 +144,9 @@ def test_the_decoder_in_bf16_tiles_matches_bf16_weights_in_float32(tiny_whisper)
 
 @pytest.mark.parametrize("dtype", ["float32", "auto"])
 def test_windows_with_prompts_of_different_lengths_batch_as_each_alone(tiny_whisper, dtype) -> None:
-    """Prompts of different lengths (previous text after <|startofprev|>) run in one batch,
-    left-padded: each window's tokens, log-probability and no-speech probability are those
-    it gets alone."""
+    """Prompts of different lengths (previous text after <|startofprev|>) run in one batch:
+    each window's tokens, log-probability and no-speech probability are those it gets
+    alone."""
     whisper = load_whisper(tiny_whisper, dtype)
     tokenizer = WhisperTokenizer(tiny_whisper / "tokenizer.json")
     features = log_mel(np.stack([np.pad(_noise_and_tones(s, i), (0, 480000 - int(s * 16000)))
@@ -167,3 +167,82 @@ def test_windows_with_prompts_of_different_lengths_batch_as_each_alone(tiny_whis
             assert batched[i].tokens == alone.tokens
             assert batched[i].sum_logprob == pytest.approx(alone.sum_logprob, abs=1e-4)
             assert batched[i].no_speech_prob == pytest.approx(alone.no_speech_prob, abs=1e-5)
+
+
+def _features(count: int) -> torch.Tensor:
+    return log_mel(np.stack([np.pad(_noise_and_tones(4.0 + 3 * i, i), (0, 480000 - (4 + 3 * i) * 16000))
+                             for i in range(count)]))  # fmt: skip
+
+
+def _run(batcher: WindowBatcher, steps: int | None = None) -> dict:
+    results: dict = {}
+    while batcher.busy and (steps is None or steps > 0):
+        results.update(batcher.step())
+        steps = None if steps is None else steps - 1
+    return results
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_windows_join_and_leave_the_batch_at_any_step(tiny_whisper, dtype) -> None:
+    """Continuous batching: a window added while others decode joins their steps; one that
+    ends leaves; each gets the tokens it gets alone, and every block is free at the end."""
+    whisper = load_whisper(tiny_whisper, dtype)
+    tokenizer = WhisperTokenizer(tiny_whisper / "tokenizer.json")
+    features = _features(3)
+    encoded = whisper.model.encode(features)
+    sot = tokenizer.sot_sequence("en", "transcribe")
+    prompts = [sot, [tokenizer.sot_prev, *tokenizer.encode(" Hello there."), *sot], sot]
+    lengths = [30, 12, 20]
+    alone = [decode_greedy(whisper, tokenizer, None, [prompt], n, True, encoded[i : i + 1])[0]
+             for i, (prompt, n) in enumerate(zip(prompts, lengths, strict=True))]  # fmt: skip
+    batcher = WindowBatcher(whisper, tokenizer, max_seqs=4)
+    batcher.add("a", encoded[0:1], prompts[0], lengths[0], True)
+    results = _run(batcher, steps=5)  # "a" is 5 tokens in
+    batcher.add("b", encoded[1:2], prompts[1], lengths[1], True)
+    results |= _run(batcher, steps=3)
+    batcher.add("c", encoded[2:3], prompts[2], lengths[2], True)
+    results |= _run(batcher)
+    assert batcher.most_windows == 3
+    for key, want in zip("abc", alone, strict=True):
+        assert results[key].tokens == want.tokens
+        assert results[key].sum_logprob == pytest.approx(want.sum_logprob, abs=1e-4)
+        assert results[key].no_speech_prob == pytest.approx(want.no_speech_prob, abs=1e-5)
+    manager = batcher.scheduler.block_manager
+    assert manager.num_free_blocks == manager.num_blocks and not batcher.windows
+
+
+def test_windows_preempted_for_blocks_are_recomputed_to_the_same_tokens(tiny_whisper) -> None:
+    """A pool that holds one window's 448 tokens, and 5 windows of 4 + 120: the newest are
+    preempted (their blocks freed) and recomputed later, with the tokens they get alone."""
+    whisper = load_whisper(tiny_whisper, "auto")
+    tokenizer = WhisperTokenizer(tiny_whisper / "tokenizer.json")
+    encoded = whisper.model.encode(_features(5))
+    sot = tokenizer.sot_sequence("en", "transcribe")
+    batcher = WindowBatcher(whisper, tokenizer, max_seqs=5, kv_tokens=1)
+    for i in range(5):
+        batcher.add(i, encoded[i : i + 1], sot, 120, False)
+    results = _run(batcher)
+    assert batcher.preemptions > 0
+    for i in range(5):
+        alone = decode_greedy(whisper, tokenizer, None, [sot], 120, False, encoded[i : i + 1])[0]
+        assert results[i].tokens == alone.tokens
+        assert len(alone.tokens) == 120  # the random model writes to the limit: the pool fills
+
+
+def test_an_aborted_window_frees_its_blocks_and_the_others_go_on(tiny_whisper) -> None:
+    whisper = load_whisper(tiny_whisper, "auto")
+    tokenizer = WhisperTokenizer(tiny_whisper / "tokenizer.json")
+    encoded = whisper.model.encode(_features(2))
+    sot = tokenizer.sot_sequence("en", "transcribe")
+    batcher = WindowBatcher(whisper, tokenizer, max_seqs=2)
+    batcher.add("gone", encoded[0:1], sot, 40, False)
+    batcher.add("kept", encoded[1:2], sot, 40, False)
+    _run(batcher, steps=4)
+    batcher.abort("gone")
+    manager = batcher.scheduler.block_manager
+    assert manager.num_blocks - manager.num_free_blocks == manager.blocks_needed(4 + 3)
+    results = _run(batcher)
+    assert list(results) == ["kept"]
+    alone = decode_greedy(whisper, tokenizer, None, [sot], 40, False, encoded[1:2])[0]
+    assert results["kept"].tokens == alone.tokens
+    assert manager.num_free_blocks == manager.num_blocks

@@ -1,19 +1,21 @@
 """SpeechEngine: a Whisper model behind one thread that batches windows across requests.
 
 Each request is a `TranscriptionJob` (speech.py): its recording's windows, one after the
-other, each after the previous one's text. The engine thread runs rounds: every running
-job's next window is encoded in one batch, and decoded in one batch (greedy at the first
-temperature, each sequence after its own prompt; a finished sequence leaves the batch).
-A job whose text fails openai-whisper's checks decodes that window again at the next
-temperatures alone, and a job whose language is to be detected has it detected on its
-first window. New requests join at the next round, so a short clip does not wait for a
-long one to end. Each finished window's segments go to the request at once (streaming),
-and the last window's with the transcription.
-
-The decoder's cross-attention KV is computed per window and dropped after it. Torch
-releases the GIL inside the forward, so the event loop keeps serving. A request that
-fails (its own error) or is cancelled (its client gone) leaves the batch; the others go
-on.
+other, each after the previous one's text. The engine thread loops:
+- requests that have no window in flight (new ones, and those whose last window just
+  finished) have their next windows encoded together, in one batch; a job whose language is
+  to be detected has it detected on its first window;
+- a window decoded greedily at the first temperature joins the WindowBatcher (speech.py):
+  continuous batching by the LLM engine's Scheduler and BlockManager, the decoder's
+  self-attention KV paged, its cross-attention KV computed once and dropped when the
+  window ends; other decodings (beam search, a first temperature above 0) run alone;
+- one decoder step of the batcher; each window it finishes goes to its job's
+  `finish_window` (which decodes the higher temperatures alone where the text fails
+  openai-whisper's checks), whose new segments go to the request at once (streaming).
+A request whose window ends goes to the back of the line, so a long recording does not
+starve others. Torch releases the GIL inside the forward, so the event loop keeps serving.
+A request that fails (its own error) or is cancelled (its client gone) leaves the batch,
+its blocks and cross-attention KV freed; the others go on.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +39,8 @@ from infire.speech import (
     TranscribeOptions,
     Transcription,
     TranscriptionJob,
-    decode_greedy,
+    WindowBatcher,
+    WindowResult,
     decode_window,
     detect_language,
 )
@@ -53,7 +56,6 @@ class _Request:
         asyncio.Queue
     )  # ("segments", [Segment]) ... then ("done", Transcription) or ("error", exc)
     cancelled: bool = False
-    windows: int = field(default=0)
 
     def send(self, kind: str, value: object) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
@@ -71,7 +73,7 @@ class SpeechEngine:
         self.max_batch = max_batch
         self._inbox: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
         self._dead: str | None = None
-        self.windows_batched = 0  # windows decoded in a batch of two or more (tests read it)
+        self.batcher = WindowBatcher(self.whisper, self.tokenizer, max_batch)
         self._thread = threading.Thread(target=self._run, name="infire-speech", daemon=True)
         self._thread.start()
 
@@ -118,32 +120,46 @@ class SpeechEngine:
     # -- the engine thread -----------------------------------------------------------------
 
     def _run(self) -> None:
-        running: list[_Request] = []
+        batcher = self.batcher
+        requests: list[_Request] = []
+        decoding: dict[int, torch.Tensor] = {}  # id(request) -> its window's encoding
         while True:
             try:
                 while True:  # take what arrived; wait only when nothing runs
-                    request = self._inbox.get(block=not running)
+                    request = self._inbox.get(block=not requests)
                     if request is None:
-                        self._stop(running, "the speech engine was shut down")
+                        self._stop(requests, "the speech engine was shut down")
                         return
-                    running.append(request)
+                    requests.append(request)
             except queue.Empty:
                 pass
-            self._finish(running)  # a job with no speech to decode (the VAD filter) is done
-            running = [r for r in running if not r.cancelled]
-            batch = running[: self.max_batch]
-            if not batch:
+            self._finish(requests)  # a job with no speech to decode (the VAD filter) is done
+            for request in requests:
+                if request.cancelled and decoding.pop(id(request), None) is not None:
+                    batcher.abort(id(request))  # its blocks and cross-attention KV go
+            requests = [r for r in requests if not r.cancelled]
+            room = self.max_batch - len(decoding)
+            idle = [r for r in requests if id(r) not in decoding][: max(room, 0)]
+            if idle:
+                self._admit(idle, batcher, decoding)
+            if not batcher.busy:
                 continue
             try:
-                self._round(batch)
-            except Exception as e:  # a failed round fails its requests, not the engine
-                logger.exception("speech batch failed")
-                for request in batch:
-                    request.send("error", e)
-                    request.cancelled = True
-            self._finish(batch)
-            # the batch's requests go to the back: a long recording does not starve others
-            running = running[len(batch) :] + [r for r in batch if not r.cancelled]
+                finished = batcher.step()
+            except Exception as e:  # a failed step fails the windows in it, not the engine
+                logger.exception("speech decoder step failed")
+                for request in requests:
+                    if decoding.pop(id(request), None) is not None:
+                        batcher.abort(id(request))
+                        request.send("error", e)
+                        request.cancelled = True
+                continue
+            done = {key: result for key, result in finished}
+            for request in [r for r in requests if id(r) in done]:
+                self._window_done(request, decoding.pop(id(request)), done[id(request)])
+                requests.remove(request)  # to the back of the line
+                requests.append(request)
+            self._finish(requests)
 
     @staticmethod
     def _finish(requests: list[_Request]) -> None:
@@ -153,42 +169,46 @@ class SpeechEngine:
                 request.cancelled = True
 
     @torch.inference_mode()
-    def _round(self, batch: list[_Request]) -> None:
+    def _admit(self, batch: list[_Request], batcher: WindowBatcher,
+               decoding: dict[int, torch.Tensor]) -> None:  # fmt: skip
+        """Encode the requests' next windows together; greedy ones join the batcher."""
         whisper, tokenizer = self.whisper, self.tokenizer
-        encoded = whisper.model.encode(torch.stack([r.job.window() for r in batch]))
+        try:
+            encoded = whisper.model.encode(torch.stack([r.job.window() for r in batch]))
+        except Exception as e:  # a failed encoding fails its requests, not the engine
+            logger.exception("speech encoder failed")
+            for request in batch:
+                request.send("error", e)
+                request.cancelled = True
+            return
         for i, request in enumerate(batch):
-            if request.job.language is None:
-                request.job.language, request.job.language_probs = detect_language(
-                    whisper, tokenizer, encoded[i : i + 1]
-                )
-        # the first temperature's greedy windows together, one group per decoding shape
-        firsts: dict[int, object] = {}
-        groups: dict[tuple[bool, int], list[int]] = {}
-        for i, request in enumerate(batch):
-            options = request.job.first_options()
-            if options.temperature == 0 and options.beam_size <= 1:
-                groups.setdefault((options.timestamps, options.max_new_tokens), []).append(i)
-            else:
-                firsts[i] = decode_window(whisper, tokenizer, encoded[i : i + 1],
-                                          request.job.prompt(), options)  # fmt: skip
-        for (timestamps, max_new), rows in groups.items():
-            prompts = [batch[i].job.prompt() for i in rows]
-            results = decode_greedy(whisper, tokenizer, None, prompts, max_new, timestamps,
-                                    encoded[rows])  # fmt: skip
-            if len(rows) > 1:
-                self.windows_batched += len(rows)
-            firsts.update(zip(rows, results, strict=True))
-        for i, request in enumerate(batch):
+            window, job = encoded[i : i + 1], request.job
             try:
-                segments = request.job.finish_window(encoded[i : i + 1], firsts[i])  # type: ignore[arg-type]
+                if job.language is None:
+                    job.language, job.language_probs = detect_language(whisper, tokenizer, window)
+                options = job.first_options()
+                if options.temperature == 0 and options.beam_size <= 1:
+                    batcher.add(id(request), window, job.prompt(), options.max_new_tokens,
+                                options.timestamps)  # fmt: skip
+                    decoding[id(request)] = window
+                else:
+                    result = decode_window(whisper, tokenizer, window, job.prompt(), options)
+                    self._window_done(request, window, result)
             except Exception as e:  # this request's own failure
                 logger.exception("speech request failed")
                 request.send("error", e)
                 request.cancelled = True
-                continue
-            request.windows += 1
-            if segments:
-                request.send("segments", segments)
+
+    def _window_done(self, request: _Request, encoded: torch.Tensor, result: WindowResult) -> None:
+        try:
+            segments = request.job.finish_window(encoded, result)
+        except Exception as e:  # this request's own failure
+            logger.exception("speech request failed")
+            request.send("error", e)
+            request.cancelled = True
+            return
+        if segments:
+            request.send("segments", segments)
 
     def _stop(self, running: list[_Request], reason: str) -> None:
         self._dead = reason

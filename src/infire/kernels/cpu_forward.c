@@ -1994,57 +1994,97 @@ static inline __attribute__((always_inline)) void softmax_end(const Softmax *s, 
     for (int i = 0; i < hd; i += 8) _mm256_storeu_ps(out + i, _mm256_div_ps(s->acc[i / 8], _mm256_set1_ps(s->denom)));
 }
 
-static inline __attribute__((always_inline)) void attend_impl(
-    const InfireModel *m, int layer, const float *q, int kv_head, const int32_t *table,
-    int context, float *out, const int bf16, const int fixed_hd) {
-    const int hd = fixed_hd ? fixed_hd : m->head_dim, bs = m->block_size;
-    long elem = bf16 ? 2 : 4, stride = (long)m->num_kv_heads * hd * elem;
-    long head_off = (long)kv_head * hd * elem;
-    Softmax s;
-    softmax_start(&s, hd);
-    float scores[bs + 8];
-    for (int start = 0; start < context; start += bs) {
-        int count = context - start < bs ? context - start : bs;
-        long first = (long)table[start / bs] * bs;
-        const char *keys = (const char *)kv_slot(m, layer, 0, first) + head_off;
-        const char *values = (const char *)kv_slot(m, layer, 1, first) + head_off;
-        attend_span(q, keys, values, stride, count, hd, bf16, m->scale, scores, &s);
-    }
-    softmax_end(&s, hd, out);
-}
-
 #define DENSE_SPAN 64 /* keys a step of attend_dense */
 
+/* One query over `keys` keys and values in a row, `stride` bytes apart. */
 static inline __attribute__((always_inline)) void attend_dense(const float *q, const char *k,
-                                                                const char *v, int keys, const int hd,
+                                                                const char *v, int keys, long stride,
+                                                                const int hd, const int bf16,
                                                                 float scale, float *out) {
     Softmax s;
     softmax_start(&s, hd);
     float scores[DENSE_SPAN + 8];
-    const long stride = 2L * hd;
     for (int start = 0; start < keys; start += DENSE_SPAN) {
         const int count = keys - start < DENSE_SPAN ? keys - start : DENSE_SPAN;
-        attend_span(q, k + start * stride, v + start * stride, stride, count, hd, 1, scale, scores, &s);
+        attend_span(q, k + start * stride, v + start * stride, stride, count, hd, bf16, scale, scores, &s);
     }
     softmax_end(&s, hd, out);
 }
 
-/* Exported: out = softmax(q K^T scale) V per (sequence, head, query): q and out [batch,
- * heads, queries, head_dim] float32, k and v [batch, heads, keys, head_dim] bf16, contiguous
- * (Whisper's cross-attention over a window's encoding), on the OpenMP threads. head_dim a
- * multiple of 8, at most MAX_HEAD_DIM. */
-void infire_attend_dense_bf16(const float *q, const uint16_t *k, const uint16_t *v, int batch,
-                              int heads, int queries, int keys, int head_dim, float scale,
-                              float *out) {
-    const long items = (long)batch * heads * queries;
+/* Exported: out = softmax(q K^T scale) V for n queries (q and out [n, heads, head_dim]
+ * float32), query i over the keys[seq[i]] keys of its sequence seq[i], whose k and v ([heads, keys,
+ * head_dim], float32 or bf16, contiguous) are at the addresses k_seqs[seq[i]] and
+ * v_seqs[seq[i]] (Whisper's cross-attention: each window's own encoding). On the OpenMP
+ * threads; head_dim a multiple of 8, at most MAX_HEAD_DIM. */
+void infire_attend_dense(const float *q, const int64_t *k_seqs, const int64_t *v_seqs, int bf16,
+                         const int32_t *seq, const int32_t *keys, int n, int heads, int head_dim,
+                         float scale, float *out) {
+    const long items = (long)n * heads, elem = bf16 ? 2 : 4, stride = head_dim * elem;
 #pragma omp parallel for schedule(static)
     for (long item = 0; item < items; item++) {
-        const long bh = item / queries, at = bh * keys * head_dim;
-        const char *kb = (const char *)(k + at), *vb = (const char *)(v + at);
-        if (head_dim == 64)
-            attend_dense(q + item * 64, kb, vb, keys, 64, scale, out + item * 64);
+        const long i = item / heads, count = keys[seq[i]], at = (item % heads) * count * stride;
+        const char *kb = (const char *)k_seqs[seq[i]] + at, *vb = (const char *)v_seqs[seq[i]] + at;
+        const float *qi = q + item * head_dim;
+        float *oi = out + item * head_dim;
+        if (bf16 && head_dim == 64)
+            attend_dense(qi, kb, vb, count, stride, 64, 1, scale, oi);
+        else if (bf16)
+            attend_dense(qi, kb, vb, count, stride, head_dim, 1, scale, oi);
+        else if (head_dim == 64)
+            attend_dense(qi, kb, vb, count, stride, 64, 0, scale, oi);
         else
-            attend_dense(q + item * head_dim, kb, vb, keys, head_dim, scale, out + item * head_dim);
+            attend_dense(qi, kb, vb, count, stride, head_dim, 0, scale, oi);
+    }
+}
+
+/* One query and head over the first `context` keys of a block table. */
+static inline __attribute__((always_inline)) void attend_blocks(
+    const float *q, const char *k, const char *v, long stride, const int32_t *table, int bs,
+    int context, const int hd, const int bf16, float scale, float *out) {
+    Softmax s;
+    softmax_start(&s, hd);
+    float scores[bs + 8];
+    for (int start = 0; start < context; start += bs) {
+        const int count = context - start < bs ? context - start : bs;
+        const long first = (long)table[start / bs] * bs * stride;
+        attend_span(q, k + first, v + first, stride, count, hd, bf16, scale, scores, &s);
+    }
+    softmax_end(&s, hd, out);
+}
+
+static inline __attribute__((always_inline)) void attend_impl(
+    const InfireModel *m, int layer, const float *q, int kv_head, const int32_t *table,
+    int context, float *out, const int bf16, const int fixed_hd) {
+    const int hd = fixed_hd ? fixed_hd : m->head_dim;
+    const long elem = bf16 ? 2 : 4, stride = (long)m->num_kv_heads * hd * elem, off = (long)kv_head * hd * elem;
+    attend_blocks(q, (const char *)kv_slot(m, layer, 0, 0) + off, (const char *)kv_slot(m, layer, 1, 0) + off,
+                  stride, table, m->block_size, context, hd, bf16, m->scale, out);
+}
+
+/* Exported: attention over a paged KV cache (one layer's k and v [slots, heads, head_dim],
+ * float32 or bf16; slot = block * block_size + offset). Query i (q and out [n, heads,
+ * head_dim] float32) sees the first context[i] keys of its sequence seq[i], whose blocks are
+ * tables[seq[i] * max_blocks ...] (Whisper's decoder self-attention). On the OpenMP threads. */
+void infire_attend_paged(const float *q, const void *k, const void *v, int bf16, int heads,
+                         int head_dim, int block_size, const int32_t *tables, int max_blocks,
+                         const int32_t *seq, const int32_t *context, int n, float scale,
+                         float *out) {
+    const long items = (long)n * heads, elem = bf16 ? 2 : 4, stride = (long)heads * head_dim * elem;
+#pragma omp parallel for schedule(static)
+    for (long item = 0; item < items; item++) {
+        const long i = item / heads, off = (item % heads) * head_dim * elem;
+        const int32_t *table = tables + (long)seq[i] * max_blocks;
+        const char *kb = (const char *)k + off, *vb = (const char *)v + off;
+        const float *qi = q + item * head_dim;
+        float *oi = out + item * head_dim;
+        if (bf16 && head_dim == 64)
+            attend_blocks(qi, kb, vb, stride, table, block_size, context[i], 64, 1, scale, oi);
+        else if (bf16)
+            attend_blocks(qi, kb, vb, stride, table, block_size, context[i], head_dim, 1, scale, oi);
+        else if (head_dim == 64)
+            attend_blocks(qi, kb, vb, stride, table, block_size, context[i], 64, 0, scale, oi);
+        else
+            attend_blocks(qi, kb, vb, stride, table, block_size, context[i], head_dim, 0, scale, oi);
     }
 }
 

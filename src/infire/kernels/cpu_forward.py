@@ -317,19 +317,71 @@ def dense_linear(tiles: torch.Tensor, rows: int, x: torch.Tensor,
     return y
 
 
-def attend_dense_bf16(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """softmax(q k^T scale) v per (sequence, head): q [B, H, T, D] float32, k and v [B, H,
-    S, D] bf16; float32 scores, sums and result [B, H, T, D]."""
-    b, h, t, d = q.shape
-    if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or d % 8 or d > MAX_HEAD_DIM:
-        raise ValueError("attend_dense_bf16 takes bf16 k and v and a head dim a multiple of 8")
-    q, k, v = q.float().contiguous(), k.contiguous(), v.contiguous()
-    out = torch.empty(b, h, t, d)
-    _library().infire_attend_dense_bf16(
-        _ptr(q.data_ptr()), _ptr(k.data_ptr()), _ptr(v.data_ptr()), b, h, t, k.shape[2], d,
+def _check_heads(q: torch.Tensor, *kv: torch.Tensor) -> None:
+    if q.shape[-1] % 8 or q.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(
+            f"the kernel's attention takes a head dim a multiple of 8, at most {MAX_HEAD_DIM}"
+        )
+    if len({t.dtype for t in kv}) != 1 or kv[0].dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            "the kernel's attention takes keys and values of one dtype, float32 or bf16"
+        )
+
+
+def dense_addresses(k: list[torch.Tensor], v: list[torch.Tensor]) -> torch.Tensor:
+    """int64 [2, S]: the addresses of S sequences' keys and values ([heads, keys, head_dim]
+    each, contiguous, float32 or bf16, one dtype), checked, for attend_dense (which reads
+    them while the tensors live: keep them)."""
+    _check_heads(k[0], *k, *v)
+    heads, _, head_dim = k[0].shape
+    for t, u in zip(k, v, strict=True):
+        if t.shape != u.shape or (t.shape[0], t.shape[2]) != (heads, head_dim):
+            raise ValueError("attend_dense takes [heads, keys, head_dim] keys and values")
+        if not (t.is_contiguous() and u.is_contiguous()):
+            raise ValueError("attend_dense takes contiguous keys and values")
+    return torch.tensor([[t.data_ptr() for t in k], [t.data_ptr() for t in v]], dtype=torch.int64)
+
+
+def attend_dense(q: torch.Tensor, addresses: torch.Tensor, keys: torch.Tensor, bf16: bool,
+                 seq: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+    """softmax(q k^T scale) v of each query q[i] ([n, heads, head_dim] float32) over the
+    keys[seq[i]] keys and values of its sequence seq[i] (`addresses` from dense_addresses,
+    `bf16` their dtype): float32 scores, sums and result [n, heads, head_dim]."""
+    n, heads, head_dim = q.shape
+    q, seq = q.float().contiguous(), seq.to(torch.int32).contiguous()
+    keys, addresses = keys.to(torch.int32).contiguous(), addresses.contiguous()
+    out = torch.empty(n, heads, head_dim)
+    _library().infire_attend_dense(
+        _ptr(q.data_ptr()), _ptr(addresses[0].data_ptr()), _ptr(addresses[1].data_ptr()),
+        int(bf16), _ptr(seq.data_ptr()), _ptr(keys.data_ptr()), n, heads, head_dim,
         ctypes.c_float(scale), _ptr(out.data_ptr()),
+    )  # fmt: skip
+    return out
+
+
+def attend_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor,
+                 seq: torch.Tensor, context: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+    """Attention over a paged cache: k and v [blocks, block_size, heads, head_dim] (float32
+    or bf16); query i (q [n, heads, head_dim] float32) over the first context[i] keys of
+    sequence seq[i], whose blocks are tables[seq[i]] (int32 [sequences, max_blocks]).
+    Float32 result [n, heads, head_dim]."""
+    _check_heads(q, k, v)
+    n, heads, head_dim = q.shape
+    if (
+        k.shape != v.shape
+        or k.shape[2:] != (heads, head_dim)
+        or not (k.is_contiguous() and v.is_contiguous())
+    ):
+        raise ValueError(
+            "attend_paged takes contiguous [blocks, block_size, heads, head_dim] k and v"
+        )
+    q, tables = q.float().contiguous(), tables.to(torch.int32).contiguous()
+    seq, context = seq.to(torch.int32).contiguous(), context.to(torch.int32).contiguous()
+    out = torch.empty(n, heads, head_dim)
+    _library().infire_attend_paged(
+        _ptr(q.data_ptr()), _ptr(k.data_ptr()), _ptr(v.data_ptr()), int(k.dtype == torch.bfloat16),
+        heads, head_dim, k.shape[1], _ptr(tables.data_ptr()), tables.shape[1], _ptr(seq.data_ptr()),
+        _ptr(context.data_ptr()), n, ctypes.c_float(scale), _ptr(out.data_ptr()),
     )  # fmt: skip
     return out
 

@@ -14,8 +14,13 @@ or a CTranslate2 folder (faster-whisper's `model.bin`, maybe in parts, with conf
 tokenizer.json), both into Hugging Face's names (`ct2_to_hf`). The model computes in
 float32.
 
-The decoder keeps its self-attention KV per sequence here (`DecoderCache`); the
-cross-attention KV of a window is computed once (`cross_kv`) and dropped with the request.
+The decoder runs two ways. `decode_paged` takes a flat batch of tokens of many sequences
+(prefill chunks and single decode steps alike) with its self-attention KV in a paged cache
+(`PagedKV`, blocks given by the engine's BlockManager) and each sequence's cross-attention
+over its own window (`cross_kv`, computed once per window): greedy windows run this way
+(speech.py's WindowBatcher). `decode` keeps a batch's self-attention KV in contiguous
+tensors (`DecoderCache`), for beam search, sampling at a temperature, language detection
+and word alignment (which reads the cross-attention's weights).
 """
 
 from __future__ import annotations
@@ -30,7 +35,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from infire.errors import ModelLoadError
-from infire.kernels.cpu_forward import attend_dense_bf16, dense_linear, tile_weight
+from infire.kernels.cpu_forward import (
+    attend_dense,
+    attend_paged,
+    dense_addresses,
+    dense_linear,
+    tile_weight,
+)
 from infire.models.checkpoint import read_json, safetensors_files
 from infire.models.ct2 import is_ct2_folder, model_parts, read_model_bin, variable_shapes
 
@@ -101,19 +112,21 @@ class Attention(nn.Module):
         return self.split(self.k_proj(x)), self.split(self.v_proj(x))
 
     def attend(
-        self,
-        x: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        causal: bool,
-        mask: torch.Tensor | None = None,
+        self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     ) -> torch.Tensor:
-        """`mask` [B, 1, T, S] (True: attend) in place of the causal mask where given."""
+        """x's queries over k and v [B, heads, S, head_dim] (causal: x's tokens are the last
+        of k's)."""
         q = self.split(self.q_proj(x))
         if k.dtype == torch.bfloat16:  # a window's encoding in bf16 (Whisper.start, tiled)
-            out = attend_dense_bf16(q, k, v, self.head_dim**-0.5)
-            return self.out_proj(out.transpose(1, 2).reshape(x.shape))
-        if mask is None and causal and x.shape[1] > 1:  # the new tokens are the last of k's
+            b, heads, t, d = q.shape
+            rows = q.transpose(1, 2).reshape(b * t, heads, d)
+            at = torch.arange(b).repeat_interleave(t)
+            keys = torch.full((b,), k.shape[2])
+            addresses = dense_addresses(list(k), list(v))
+            out = attend_dense(rows, addresses, keys, True, at, self.head_dim**-0.5)
+            return self.out_proj(out.reshape(x.shape))
+        mask = None
+        if causal and x.shape[1] > 1:
             t, s = x.shape[1], k.shape[2]
             mask = torch.ones(t, s, dtype=torch.bool).tril(s - t)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
@@ -177,17 +190,15 @@ class DecoderLayer(nn.Module):
         cache: list[torch.Tensor],
         cross: tuple[torch.Tensor, torch.Tensor],
         logits: list[torch.Tensor] | None = None,
-        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`logits`: where to append the cross-attention's q.k / sqrt(head_dim) [B, heads,
-        T, frames] (word alignment reads them); `mask`: the self-attention's (DecoderCache
-        with padding)."""
+        T, frames] (word alignment reads them)."""
         h = self.self_attn_layer_norm(x)
         k, v = self.self_attn.kv(h)
         if cache:
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
         cache[:] = [k, v]
-        x = x + self.self_attn.attend(h, k, v, causal=True, mask=mask)
+        x = x + self.self_attn.attend(h, k, v, causal=True)
         h = self.encoder_attn_layer_norm(x)
         if logits is not None:
             q = self.encoder_attn.split(self.encoder_attn.q_proj(h))
@@ -195,6 +206,68 @@ class DecoderLayer(nn.Module):
             logits.append(q @ keys.transpose(-1, -2) * self.encoder_attn.head_dim**-0.5)
         x = x + self.encoder_attn.attend(h, *cross, causal=False)
         return x + self.mlp(self.final_layer_norm(x))
+
+    def step_paged(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PagedBatch,
+                   cross: torch.Tensor, frames: torch.Tensor, bf16: bool) -> torch.Tensor:  # fmt: skip
+        """This layer over a flat batch x [N, dim]: k and v its paged cache; `cross` the
+        addresses of each sequence's cross-attention k and v of this layer [2, sequences]
+        (`frames` each, bf16 or float32)."""
+        n, attention = x.shape[0], self.self_attn
+        heads, head_dim, scale = attention.heads, attention.head_dim, attention.head_dim**-0.5
+        h = self.self_attn_layer_norm(x)
+        k.view(-1, heads, head_dim)[batch.slots] = attention.k_proj(h).view(n, heads, head_dim)
+        v.view(-1, heads, head_dim)[batch.slots] = attention.v_proj(h).view(n, heads, head_dim)
+        q = attention.q_proj(h).view(n, heads, head_dim)
+        out = attend_paged(q, k, v, batch.tables, batch.seq, batch.positions + 1, scale)
+        x = x + attention.out_proj(out.view(n, -1))
+        h = self.encoder_attn_layer_norm(x)
+        q = self.encoder_attn.q_proj(h).view(n, heads, head_dim)
+        out = attend_dense(q, cross, frames, bf16, batch.seq, scale)
+        x = x + self.encoder_attn.out_proj(out.view(n, -1))
+        return x + self.mlp(self.final_layer_norm(x))
+
+
+@dataclass(frozen=True, slots=True)
+class CrossKV:
+    """A window's cross-attention k and v per layer ([heads, frames, head_dim]) and their
+    addresses for the kernel's attention ([layers, 2, 1]; the tensors live as long)."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    addresses: torch.Tensor
+
+    @classmethod
+    def of(cls, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> CrossKV:
+        return cls(kv, torch.stack([dense_addresses([k], [v]) for k, v in kv]))
+
+    @property
+    def frames(self) -> int:
+        return self.kv[0][0].shape[1]
+
+
+@dataclass(frozen=True, slots=True)
+class PagedBatch:
+    """One decoder step over many sequences: N tokens [N] (int64) at `positions` [N], whose
+    k and v go to `slots` [N] (block * block_size + offset) of the paged cache; token i is
+    of sequence seq[i] (int32), whose blocks are tables[seq[i]] (int32 [sequences,
+    max_blocks])."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    seq: torch.Tensor
+    tables: torch.Tensor
+
+
+class PagedKV:
+    """The decoder's self-attention KV cache in blocks: per layer k and v [blocks,
+    block_size, heads, head_dim] float32 (uninitialized: pages are touched as blocks fill)."""
+
+    def __init__(self, config: WhisperConfig, num_blocks: int, block_size: int) -> None:
+        heads = config.decoder_attention_heads
+        shape = (num_blocks, block_size, heads, config.d_model // heads)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.k = [torch.empty(shape) for _ in range(config.decoder_layers)]
+        self.v = [torch.empty(shape) for _ in range(config.decoder_layers)]
 
 
 @dataclass
@@ -206,10 +279,6 @@ class DecoderCache:
     cross: list[tuple[torch.Tensor, torch.Tensor]]
     self_kv: list[list[torch.Tensor]] = field(default_factory=list)
     length: int = 0
-    # per sequence, the slots of padding before its tokens (sequences of different lengths
-    # in one batch are left-padded: a sequence's keys there are masked, its positions start
-    # after them); None: no padding
-    pad: torch.Tensor | None = None
 
     def select(self, rows: torch.Tensor) -> DecoderCache:
         """The cache of some of the sequences (beams kept, sequences still running)."""
@@ -217,7 +286,6 @@ class DecoderCache:
             [(k[rows], v[rows]) for k, v in self.cross],
             [[t[rows] for t in kv] for kv in self.self_kv],
             self.length,
-            None if self.pad is None else self.pad[rows],
         )
 
 
@@ -289,6 +357,30 @@ class Whisper(nn.Module):
         return DecoderCache(kv)
 
     @torch.inference_mode()
+    def cross_kv(self, encoded: torch.Tensor) -> CrossKV:
+        """One window's cross-attention k and v per layer (in bf16 where the decoder is
+        tiled), from its encoding [1, frames, d_model]."""
+        return CrossKV.of(
+            [(k[0].contiguous(), v[0].contiguous()) for k, v in self.start(encoded).cross]
+        )
+
+    @torch.inference_mode()
+    def decode_paged(self, batch: PagedBatch, kv: PagedKV, cross: list[CrossKV],
+                     want: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Logits [len(want), vocab] at the rows `want` of a flat batch of tokens of many
+        sequences (`cross[s]`: sequence s's `cross_kv`), their k and v written to `kv`."""
+        if int(batch.positions.max()) >= self.config.max_target_positions:
+            raise ValueError(f"the decoder holds {self.config.max_target_positions} tokens")
+        x = self.embed_tokens(batch.tokens) + self.decoder_positions[batch.positions]
+        addresses = torch.cat([c.addresses for c in cross], dim=2)  # [layers, 2, sequences]
+        frames = torch.tensor([c.frames for c in cross], dtype=torch.int32)
+        bf16 = cross[0].kv[0][0].dtype == torch.bfloat16
+        for i, layer in enumerate(self.decoder_layers):
+            x = layer.step_paged(x, kv.k[i], kv.v[i], batch, addresses[i], frames, bf16)
+        x = self.decoder_norm(x[want])
+        return x @ self.embed_tokens.weight.T if self.head is None else self.head(x)
+
+    @torch.inference_mode()
     def decode(
         self, tokens: torch.Tensor, cache: DecoderCache, cross_logits: list | None = None
     ) -> torch.Tensor:
@@ -297,21 +389,11 @@ class Whisper(nn.Module):
         start, count = cache.length, tokens.shape[1]
         if start + count > self.config.max_target_positions:
             raise ValueError(f"the decoder holds {self.config.max_target_positions} tokens")
-        mask = None
-        if cache.pad is not None and bool(cache.pad.any()):
-            slots = torch.arange(start + count)  # key slots
-            at = torch.arange(start, start + count)  # the new tokens' slots
-            positions = (at[None, :] - cache.pad[:, None]).clamp(min=0)
-            x = self.embed_tokens(tokens) + self.decoder_positions[positions]
-            # a token sees its sequence's keys up to itself; a padding slot only itself
-            mask = (slots[None, None, :] >= cache.pad[:, None, None]) | (slots == at[:, None])[None]
-            mask = (mask & (slots[None, :] <= at[:, None])[None])[:, None]
-        else:
-            x = self.embed_tokens(tokens) + self.decoder_positions[start : start + count]
+        x = self.embed_tokens(tokens) + self.decoder_positions[start : start + count]
         if not cache.self_kv:
             cache.self_kv = [[] for _ in self.decoder_layers]
         for layer, kv, cross in zip(self.decoder_layers, cache.self_kv, cache.cross, strict=True):
-            x = layer(x, kv, cross, cross_logits, mask)
+            x = layer(x, kv, cross, cross_logits)
         cache.length = start + tokens.shape[1]
         x = self.decoder_norm(x)
         return x @ self.embed_tokens.weight.T if self.head is None else self.head(x)
