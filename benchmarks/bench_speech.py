@@ -11,6 +11,8 @@ Measures:
   to one SpeechEngine, which batches their windows; faster-whisper: 8 threads on one
   model; transformers: one generate call on a batch of 8);
 - peak RSS above the process's baseline after imports;
+- infire's engine thread in the 8-clip run: windows encoded, seconds in the encoder and in
+  the decoder (steps, fallbacks, language detection);
 - realtime (infire only: the peers have no realtime route): `infire serve`'s
   /v1/realtime?intent=transcription over a WebSocket, 6 utterances streamed as PCM16 at
   real-time pace in 100 ms chunks, each followed by 1.5 s of silence; per turn the time from
@@ -150,12 +152,18 @@ def child(engine: str, paths: list[str]) -> dict:
     start = time.perf_counter()
     text = one(audio[0])
     alone = time.perf_counter() - start
+    counters = ("windows_encoded", "encoder_seconds", "decoder_seconds")
+    before = [getattr(speech, c) for c in counters] if engine == "infire" else []
     start = time.perf_counter()
     texts = many(audio)
     together = time.perf_counter() - start
+    # infire: its engine thread's time in the 8-clip run, encoder against decoder
+    split = (
+        {c: getattr(speech, c) - b for c, b in zip(counters, before, strict=True)} if before else {}
+    )
     return {"load_rss": loaded - base, "peak_rss": _status("VmHWM") - base, "alone_s": alone,
             "together_s": together, "text": text, "texts": texts,
-            "audio_s": [a.size / 16000 for a in audio]}  # fmt: skip
+            "audio_s": [a.size / 16000 for a in audio], **split}  # fmt: skip
 
 
 def realtime_latency(turns: int = 6) -> dict:
@@ -302,6 +310,11 @@ def main() -> None:
     )
     print(f"infire throughput / faster-whisper int8: {rows['infire']['throughput'] / int8['throughput']:.2f}x, "
           f"/ float32: {rows['infire']['throughput'] / fp32['throughput']:.2f}x (target >= 2)")  # fmt: skip
+    split = results["engines"]["infire"][-1]
+    print(f"infire, 8 clips: {split['windows_encoded']} windows, encoder "
+          f"{split['encoder_seconds']:.1f} s, decoder {split['decoder_seconds']:.1f} s of "
+          f"{split['together_s']:.1f} s; 2x faster-whisper int8 is "
+          f"{audio / int8['throughput'] / 2:.1f} s")  # fmt: skip
     print(f"realtime: end of speech -> completed, median "
           f"{statistics.median(realtime['to_completed_s']):.2f} s (speech_stopped -> completed "
           f"{statistics.median(realtime['stopped_to_completed_s']):.2f} s)")  # fmt: skip

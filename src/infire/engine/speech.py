@@ -24,6 +24,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,10 @@ class SpeechEngine:
         self._inbox: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
         self._dead: str | None = None
         self.batcher = WindowBatcher(self.whisper, self.tokenizer, max_batch)
+        # where the engine thread's time went (benchmarks read these)
+        self.windows_encoded = 0
+        self.encoder_seconds = 0.0  # encoding windows
+        self.decoder_seconds = 0.0  # decoder steps, fallbacks, beams, word alignment
         self._thread = threading.Thread(target=self._run, name="infire-speech", daemon=True)
         self._thread.start()
 
@@ -144,6 +149,7 @@ class SpeechEngine:
                 self._admit(idle, batcher, decoding)
             if not batcher.busy:
                 continue
+            start = time.perf_counter()
             try:
                 finished = batcher.step()
             except Exception as e:  # a failed step fails the windows in it, not the engine
@@ -159,6 +165,7 @@ class SpeechEngine:
                 self._window_done(request, decoding.pop(id(request)), done[id(request)])
                 requests.remove(request)  # to the back of the line
                 requests.append(request)
+            self.decoder_seconds += time.perf_counter() - start
             self._finish(requests)
 
     @staticmethod
@@ -173,6 +180,7 @@ class SpeechEngine:
                decoding: dict[int, torch.Tensor]) -> None:  # fmt: skip
         """Encode the requests' next windows together; greedy ones join the batcher."""
         whisper, tokenizer = self.whisper, self.tokenizer
+        start = time.perf_counter()
         try:
             encoded = whisper.model.encode(torch.stack([r.job.window() for r in batch]))
         except Exception as e:  # a failed encoding fails its requests, not the engine
@@ -181,6 +189,9 @@ class SpeechEngine:
                 request.send("error", e)
                 request.cancelled = True
             return
+        self.encoder_seconds += time.perf_counter() - start
+        self.windows_encoded += len(batch)
+        start = time.perf_counter()
         for i, request in enumerate(batch):
             window, job = encoded[i : i + 1], request.job
             try:
@@ -198,6 +209,7 @@ class SpeechEngine:
                 logger.exception("speech request failed")
                 request.send("error", e)
                 request.cancelled = True
+        self.decoder_seconds += time.perf_counter() - start  # language, cross KV, alone
 
     def _window_done(self, request: _Request, encoded: torch.Tensor, result: WindowResult) -> None:
         try:
