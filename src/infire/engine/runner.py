@@ -29,7 +29,9 @@ from infire.kernels.cpu_forward import (
     load_library,
     unsupported_reason,
 )
-from infire.layers.attention import AttentionMetadata, DecodeGroup, PrefillGroup
+from infire.kernels.triton_attention import prefill_tiles
+from infire.kernels.triton_support import use_triton
+from infire.layers.attention import AttentionMetadata, DecodeGroup, PrefillGroup, TritonGroups
 from infire.layers.kv_spec import AttentionWindow
 from infire.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from infire.models.registry import family_named
@@ -78,6 +80,9 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = cache_config.block_size
         self.tp = tp
+        # the GPU path's Triton attention (a CUDA device; INFIRE_TRITON=1 on CPU for tests):
+        # its prefill kernel takes blocks of 16 slots or more
+        self.triton = use_triton(self.device) and self.block_size >= 16
         model_class = family_named(config.architecture).model_class
         # With GGUF blocks the model's matmul weights are never written (their pages never
         # touched), so they are created in `dtype` at once: a cast would write a copy.
@@ -366,6 +371,34 @@ class ModelRunner:
             meta.only_decode = len(decode) == len(batch)
         if prefill:
             meta.prefill = self._prefill_group(prefill, window)
+        if self.triton and window is None:
+            meta.triton = self._triton_groups(batch, tables)
+
+    def _triton_groups(
+        self, batch: list[ScheduledSequence], tables: list[list[int]]
+    ) -> TritonGroups:
+        """Decode rows (one new token) and prefill tiles (the other rows) for the Triton
+        kernels: block tables, keys seen, positions."""
+        decode: list[tuple[int, list[int], int]] = []
+        prefill: list[tuple[int, int, int, list[int]]] = []
+        offset = 0
+        for item, table in zip(batch, tables, strict=True):
+            n, start = item.num_new_tokens, item.seq.num_computed_tokens
+            if n == 1:
+                decode.append((offset, table, start + 1))
+            else:
+                prefill.append((offset, n, start, table))
+            offset += n
+        groups = TritonGroups(None, None, None, None, None)
+        if decode:
+            groups.decode_index = _longs([row for row, _, _ in decode], self.device)
+            groups.decode_tables = _table_tensor([t for _, t, _ in decode], self.device)
+            groups.decode_lengths = _ints([n for _, _, n in decode], self.device)
+        if prefill:
+            groups.prefill_tables = _table_tensor([t for *_, t in prefill], self.device)
+            groups.prefill_tiles = prefill_tiles([r for r, *_ in prefill], [n for _, n, _, _ in prefill],
+                                                 [p for _, _, p, _ in prefill], self.device)  # fmt: skip
+        return groups
 
     def _block_tables(
         self, rows: list[tuple[ScheduledSequence, int, list[int]]], window: AttentionWindow | None
@@ -455,3 +488,15 @@ def _samples(item: ScheduledSequence) -> bool:
 
 def _longs(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _ints(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def _table_tensor(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Block tables padded to the longest, int32 [len(tables), width]."""
+    width = max(len(table) for table in tables)
+    return _ints([b for table in tables for b in table + [0] * (width - len(table))], device).view(
+        len(tables), width
+    )

@@ -10,6 +10,12 @@ layer runs at most three batched SDPA calls, never a Python loop over sequences:
 - prefill: other prefill chunks (chunked or prefix-cached), padded to the longest chunk.
 Grouped-query attention goes through SDPA's enable_gqa, so keys/values are never repeated.
 
+Where the Triton kernels serve (a CUDA device, kernels/triton_support.use_triton), the
+runner also gives each group without a window `TritonGroups`, and attention reads the pool
+through the block tables with no gather (kernels/triton_attention.py): split-K decode
+with GQA, and tiles of prefill queries. Latent attention (MLA) and windowed groups keep
+the PyTorch path.
+
 Layers of a windowed KV group (layers/kv_spec.py) get metadata whose block tables start
 at the first block in the window and whose masks also hide keys before it. Multi-head
 latent attention stores one "key" per token (the compressed latent and its RoPE part) and
@@ -46,6 +52,18 @@ class PrefillGroup:
 
 
 @dataclass(slots=True)
+class TritonGroups:
+    """The same step for the Triton kernels (kernels/triton_attention.py), which read the
+    pool through the block tables: decode rows one query each, the other rows in tiles."""
+
+    decode_index: torch.Tensor | None  # [B] rows of the flat batch
+    decode_tables: torch.Tensor | None  # [B, max_blocks] int32
+    decode_lengths: torch.Tensor | None  # [B] int32: keys each sees (its position + 1)
+    prefill_tables: torch.Tensor | None  # [S, max_blocks] int32
+    prefill_tiles: torch.Tensor | None  # [4, tiles] int32 (triton_attention.prefill_tiles)
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Per-step layout of the flat batch for one KV group, built once by the runner and
     shared by all of its layers; `windows` holds the windowed groups' (1, 2, ...)."""
@@ -57,6 +75,7 @@ class AttentionMetadata:
     prefill: PrefillGroup | None = None
     only_decode: bool = False  # every row decodes, in order: skip the scatter
     windows: tuple[AttentionMetadata, ...] = field(default_factory=tuple)
+    triton: TritonGroups | None = None  # set where the Triton kernels serve this group
 
     def group(self, index: int) -> AttentionMetadata:
         """The metadata of KV group `index` (0: this one)."""
@@ -103,6 +122,8 @@ class PagedAttention:
         else:
             v_cache = kv_cache[1]
             v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        if meta.triton is not None and not self.latent_values:
+            return self._triton(q, k_cache, v_cache, meta.triton).view(q.shape[0], -1)
         if meta.only_decode:
             return self._decode(q, k_cache, v_cache, meta.decode).reshape(q.shape[0], -1)
         out = q.new_empty(q.shape[0], self.num_heads, v.shape[-1])
@@ -114,6 +135,21 @@ class PagedAttention:
         if meta.prefill is not None:
             out[meta.prefill.token_index] = self._prefill(q, k_cache, v_cache, meta.prefill)
         return out.view(q.shape[0], -1)
+
+    def _triton(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, groups: TritonGroups
+    ) -> torch.Tensor:
+        from infire.kernels.triton_attention import paged_decode, paged_prefill
+
+        out = q.new_empty(q.shape[0], self.num_heads, v_cache.shape[-1])
+        if groups.prefill_tiles is not None:
+            paged_prefill(q, k_cache, v_cache, groups.prefill_tables, groups.prefill_tiles,
+                          self.scale, out)  # fmt: skip
+        if groups.decode_index is not None:
+            rows = groups.decode_index
+            out[rows] = paged_decode(q[rows], k_cache, v_cache, groups.decode_tables,
+                                     groups.decode_lengths, self.scale)  # fmt: skip
+        return out
 
     def _fresh(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None

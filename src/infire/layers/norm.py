@@ -14,6 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infire.kernels.triton_ops import add_rms_norm
+from infire.kernels.triton_support import use_triton
+
 if TYPE_CHECKING:
     from infire.models.weights import LazyTensor
 
@@ -29,6 +32,8 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if use_triton(x):  # one launch for the add and the norm (kernels/triton_ops.py)
+            return add_rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x

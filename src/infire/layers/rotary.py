@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from infire.config import RopeScaling
+from infire.kernels.triton_ops import rotary
+from infire.kernels.triton_support import use_triton
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -115,6 +117,8 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     """RoPE on x [T, heads, D] (q and k heads together) with cos/sin from cos_sin()."""
+    if use_triton(x):  # one launch (kernels/triton_ops.py)
+        return rotary(x, cos_sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos_sin[0] + rotated * cos_sin[1]

@@ -1,0 +1,69 @@
+"""Triton, where it is installed: the GPU path's kernels (triton_attention.py, triton_ops.py).
+
+On a machine without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1,
+set here before triton is imported, since `triton.jit` reads it when a kernel is
+defined): NumPy runs each program, slowly but with the kernel's own arithmetic. That is
+how the tests check every kernel against its PyTorch reference on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton: ModuleType | None
+tl: ModuleType | None
+round_to: object
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch path serves
+    triton = tl = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def round_to(x, dtype: tl.constexpr):
+        """float32 x to `dtype`, rounded to nearest even (bf16 by its bits: Triton's
+        interpreter truncates in its cast, where a GPU rounds; both get this)."""
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            return x.to(dtype)
+
+
+def triton_reason() -> str | None:
+    """Why the Triton kernels cannot run here, or None."""
+    if triton is None:
+        return "triton is not installed"
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return "no CUDA device, and TRITON_INTERPRET is not 1"
+    return None
+
+
+def use_triton(device: torch.device | torch.Tensor) -> bool:
+    """Whether the GPU path's Triton kernels serve a tensor (or device): on CUDA where
+    triton is installed, unless INFIRE_TRITON=0; INFIRE_TRITON=1 runs them on CPU too,
+    under the interpreter (the tests' way to run a whole model through them)."""
+    if triton is None:
+        return False
+    mode = os.environ.get("INFIRE_TRITON", "auto")
+    if mode == "1":
+        return os.environ.get("TRITON_INTERPRET") == "1" or _device(device).type == "cuda"
+    return mode != "0" and _device(device).type == "cuda"
+
+
+def _device(x: torch.device | torch.Tensor) -> torch.device:
+    return x.device if isinstance(x, torch.Tensor) else torch.device(x)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()

@@ -1,0 +1,163 @@
+"""The GPU path's Triton kernels against their PyTorch references, on CPU under Triton's
+interpreter (kernels/triton_support.py sets TRITON_INTERPRET=1 where there is no CUDA):
+paged attention (split-K decode with GQA, prefill tiles over chunked and cached context),
+the fused residual + RMSNorm, SiLU * up and RoPE, and a whole engine through them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from infire.kernels.triton_support import triton_reason
+
+pytestmark = pytest.mark.skipif(triton_reason() is not None, reason=str(triton_reason()))
+
+BLOCKS, BS, KV_HEADS, HEADS, DIM = 24, 16, 2, 8, 32
+
+
+def _pool(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    k = torch.randn(BLOCKS, BS, KV_HEADS, DIM, generator=generator)
+    v = torch.randn(BLOCKS, BS, KV_HEADS, DIM, generator=generator)
+    return k.to(dtype), v.to(dtype)
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: list[int],
+               keys: int) -> torch.Tensor:  # fmt: skip
+    """q [HEADS, DIM] over the first `keys` keys of `table`, float64 SDPA."""
+    slots = torch.arange(keys)
+    blocks = torch.tensor(table)[slots // BS]
+    kk = k[blocks, slots % BS].double().repeat_interleave(HEADS // KV_HEADS, dim=1)
+    vv = v[blocks, slots % BS].double().repeat_interleave(HEADS // KV_HEADS, dim=1)
+    out = F.scaled_dot_product_attention(
+        q.double()[:, None], kk.transpose(0, 1), vv.transpose(0, 1), scale=DIM**-0.5
+    )
+    return out[:, 0]
+
+
+TABLES = [[3, 7, 1, 12, 0, 0], [5, 2, 9, 4, 8, 11], [20]]
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_decode_attention_reads_the_blocks_in_splits(splits: int) -> None:
+    """Split-K decode with GQA (4 query heads a kv head): 50, 90 and 1 keys, over 1 to 4
+    splits (with 4, the first sequence's last split has no block: it weighs nothing)."""
+    from infire.kernels.triton_attention import paged_decode
+
+    k, v = _pool()
+    tables = torch.tensor([t + [0] * (6 - len(t)) for t in TABLES], dtype=torch.int32)
+    lengths = torch.tensor([50, 90, 1])
+    q = torch.randn(3, HEADS, DIM, generator=torch.Generator().manual_seed(1))
+    out = paged_decode(q, k, v, tables, lengths, DIM**-0.5, splits)
+    for b, table in enumerate(TABLES):
+        want = _reference(q[b], k, v, table, int(lengths[b]))
+        assert (out[b].double() - want).abs().max().item() <= 1e-5
+    alone = paged_decode(q[1:2], k, v, tables[1:2], lengths[1:2], DIM**-0.5, splits)
+    assert torch.equal(alone[0], out[1])  # a row does not depend on its batch
+
+
+def test_prefill_attention_over_chunked_and_cached_context() -> None:
+    """Tiles of up to 16 queries: a 20-token chunk after 30 cached keys, a 35-token chunk
+    after 55, and a fresh 3-token prompt, each causal over its own blocks."""
+    from infire.kernels.triton_attention import paged_prefill, prefill_tiles
+
+    k, v = _pool()
+    tables = torch.tensor([t + [0] * (6 - len(t)) for t in TABLES], dtype=torch.int32)
+    starts, counts, rows = [30, 55, 0], [20, 35, 3], [0, 20, 55]
+    q = torch.randn(58, HEADS, DIM, generator=torch.Generator().manual_seed(2))
+    tiles = prefill_tiles(rows, counts, starts, torch.device("cpu"))
+    assert tiles.shape[1] == 2 + 3 + 1
+    out = paged_prefill(q, k, v, tables, tiles, DIM**-0.5)
+    for s, table in enumerate(TABLES):
+        for i in range(counts[s]):
+            want = _reference(q[rows[s] + i], k, v, table, starts[s] + i + 1)
+            assert (out[rows[s] + i].double() - want).abs().max().item() <= 1e-5
+
+
+def test_attention_with_a_bf16_pool() -> None:
+    from infire.kernels.triton_attention import paged_decode, paged_prefill, prefill_tiles
+
+    k, v = _pool(torch.bfloat16)
+    tables = torch.tensor([TABLES[1]], dtype=torch.int32)
+    q = torch.randn(20, HEADS, DIM, generator=torch.Generator().manual_seed(3)).bfloat16()
+    out = paged_decode(q[:1], k, v, tables, torch.tensor([77]), DIM**-0.5)
+    assert out.dtype == torch.bfloat16
+    assert (
+        out[0].double() - _reference(q[0].float(), k.float(), v.float(), TABLES[1], 77)
+    ).abs().max() < 2e-2
+    tiles = prefill_tiles([0], [20], [40], torch.device("cpu"))
+    out = paged_prefill(q, k, v, tables, tiles, DIM**-0.5)
+    for i in range(20):
+        want = _reference(q[i].float(), k.float(), v.float(), TABLES[1], 40 + i + 1)
+        assert (out[i].double() - want).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norm_activation_and_rope_match_pytorch(dtype: torch.dtype) -> None:
+    """bf16: bit for bit (the kernels round where PyTorch rounds); float32: to rounding."""
+    from infire.kernels.triton_ops import add_rms_norm, rotary, silu_and_mul
+    from infire.layers.mlp import gated_activation
+    from infire.layers.norm import RMSNorm
+    from infire.layers.rotary import RotaryEmbedding, apply_rotary
+
+    generator = torch.Generator().manual_seed(4)
+    x, residual = (torch.randn(5, 96, generator=generator).to(dtype) for _ in range(2))
+    norm = RMSNorm(96, 1e-5).to(dtype)
+    norm.weight.data = torch.randn(96, generator=generator).to(dtype)
+    out, summed = add_rms_norm(x, norm.weight, 1e-5, residual)
+    want, want_sum = norm(x, residual)
+    gate_up = torch.randn(7, 200, generator=generator).to(dtype)
+    cos_sin = RotaryEmbedding(64, 4096, 10000.0, None).cos_sin(torch.arange(3, 9), dtype)
+    qk = torch.randn(6, 5, 64, generator=generator).to(dtype)
+    pairs = [(out, want), (summed, want_sum), (add_rms_norm(x, norm.weight, 1e-5), norm(x)),
+             (silu_and_mul(gate_up), gated_activation(gate_up, "silu")),
+             (rotary(qk, cos_sin), apply_rotary(qk, cos_sin))]  # fmt: skip
+    for got, expected in pairs:
+        assert got.dtype == dtype and got.shape == expected.shape
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, expected)
+        else:
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_an_engine_through_the_triton_kernels_gives_the_pytorch_paths_tokens(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, seeded: bool
+) -> None:
+    """The tiny Llama (GQA 4:2) served with INFIRE_TRITON=1 on CPU (every attention, norm,
+    SiLU and RoPE through the kernels, under the interpreter): continuous batching, chunked
+    prefill (16-token steps) and prefix-cache hits give the PyTorch path's tokens."""
+    from infire import SamplingParams
+    from infire.config import CacheConfig, EngineConfig, SchedulerConfig
+    from infire.engine import merge_delta
+    from infire.engine.engine import LLMEngine
+
+    shared = [(5 * j) % 200 + 3 for j in range(40)]
+    prompts = [shared + [11, 12], [7, 8, 9], shared + [21], [(3 * j) % 97 + 1 for j in range(23)]]
+
+    def run(mode: str) -> tuple[list[list[int]], LLMEngine]:
+        monkeypatch.setenv("INFIRE_TRITON", mode)
+        engine = LLMEngine(EngineConfig(
+            model=str(tiny_llama), dtype="float32", cpu_kernels=False,
+            cache=CacheConfig(num_blocks=64, block_size=16),
+            scheduler=SchedulerConfig(max_num_batched_tokens=16),
+        ))  # fmt: skip
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(temperature=0.8 if seeded else 0, seed=i, max_tokens=6,
+                                    ignore_eos=True)  # fmt: skip
+            engine.add_request(f"r{i}", prompt, params)
+        outputs: dict = {}
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                outputs[delta.request_id] = merge_delta(outputs.get(delta.request_id), delta)
+        return [outputs[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))], engine
+
+    reference, _ = run("0")
+    got, engine = run("1")
+    assert engine.runner.triton  # the kernels really served
+    assert got == reference
+    assert engine.stats.prefix_cache_hits > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
