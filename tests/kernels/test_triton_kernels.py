@@ -161,3 +161,76 @@ def test_an_engine_through_the_triton_kernels_gives_the_pytorch_paths_tokens(
     assert got == reference
     assert engine.stats.prefix_cache_hits > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("activations", [torch.float32, torch.bfloat16])
+def test_palette_matmul_equals_decode_then_multiply_bit_for_bit(activations: torch.dtype) -> None:
+    """Unweight's palette form rebuilt inside the matmul: the same products as the same
+    kernel over the dense bf16 weight, to the bit, with runs whose exponents leave the
+    palette (kept verbatim); and x @ W^T to float32 rounding."""
+    from infire.kernels.triton_palette import (
+        dense_matmul,
+        pack_palette,
+        palette_decode,
+        palette_matmul,
+    )
+
+    generator = torch.Generator().manual_seed(5)
+    weight = (torch.randn(70, 192, generator=generator) * 0.05).bfloat16()  # rows not a tile
+    weight[3, 70], weight[50, 191], weight[69, 0] = 3.0, -1e-30, 200.0  # outside the palette
+    packed = pack_palette(weight)
+    assert int((packed.chunk_offset >= 0).sum()) == 3
+    assert torch.equal(palette_decode(packed), weight)  # the decode kernel: the same bits
+    assert packed.indices.numel() + packed.rest.numel() == weight.numel() * 3 // 2  # 12 bits
+    x = torch.randn(19, 192, generator=generator).to(activations)
+    got = palette_matmul(x, packed)
+    assert got.dtype == torch.float32 and got.shape == (19, 70)
+    assert torch.equal(got, dense_matmul(x, weight))
+    want = x.double() @ weight.double().T
+    assert ((got.double() - want).abs() / want.abs().clamp(min=1)).max().item() < 1e-5
+    with pytest.raises(ValueError, match="multiple of 64"):
+        pack_palette(weight[:, :100])
+
+
+def test_a_palette_folder_is_served_through_the_triton_matmul(
+    tiny_llama_bf16: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`INFIRE_TRITON=1` (on CPU, the interpreter) with the fused CPU forward off: an
+    Unweight palette folder keeps its matmul weights in the palette form (no dense copy).
+    Decoded for the matmul ("decode then multiply") it gives the bf16 original's tokens,
+    and through the fused kernel too; the choice per batch bucket follows the timings it
+    is given (on CUDA, measured at startup)."""
+    from infire import LLM, SamplingParams
+    from infire.kernels.triton_palette import PaletteChoice, pack_palette
+    from infire.layers.linear import LinearBase
+    from infire.unweight.container import compress_model
+
+    compress_model(tiny_llama_bf16, tmp_path / "palette", "palette", progress=False)
+    monkeypatch.setenv("INFIRE_TRITON", "1")
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompts = ["hello there", "the quick brown fox jumps"]
+
+    def run(folder: Path, mode: str) -> tuple[list[list[int]], LLM]:
+        monkeypatch.setenv("INFIRE_PALETTE_MATMUL", mode)
+        llm = LLM(str(folder), dtype="bfloat16", num_blocks=32, cpu_kernels=False)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)], llm
+
+    original, _ = run(tiny_llama_bf16, "auto")
+    decoded, llm = run(tmp_path / "palette", "decode")
+    assert decoded == original
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
+    assert all(m.palette is not None and m.weight.numel() == 0 for m in linears)
+    assert "palette weights in the Triton matmul" in llm.engine.runner.fused_status
+    fused, _ = run(tmp_path / "palette", "fused")
+    # float32 sums of the same bf16 products in the kernel's order: the same greedy tokens
+    # here (a near tie could part them, as any two matmuls' orders can)
+    assert fused == original
+    # the choice: decode at the buckets where the timer says decoding is faster
+    choice = PaletteChoice("auto")
+    weight = pack_palette(torch.randn(32, 64).bfloat16())
+    choice.measure([weight], timer=lambda run: run() is None or 1.0)  # runs both, all equal
+    assert not choice.decodes(weight, 1)  # a tie keeps the fused kernel
+    choice.decode_faster[(32, 64, 16)] = True
+    assert (
+        choice.decodes(weight, 9) and choice.decodes(weight, 16) and not choice.decodes(weight, 17)
+    )

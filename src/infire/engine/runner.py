@@ -11,6 +11,7 @@ sequences whose prompt is complete, and samples.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -148,7 +149,10 @@ class ModelRunner:
         self.fused_status += self.quant_status
         if palette:  # weights from an Unweight palette-form folder
             held = self.fused is not None and self.fused.palette
-            self.fused_status += ", palette weights" if held else ", palette weights decoded"
+            if not held and self.triton and dtype == torch.bfloat16:
+                self.fused_status += self._hold_palette()
+            else:
+                self.fused_status += ", palette weights" if held else ", palette weights decoded"
         if self.fused is not None and self.fused.takes_prefill:
             # every step runs fused: one copy in memory (the palette form and GGUF blocks
             # embed too)
@@ -373,6 +377,20 @@ class ModelRunner:
             meta.prefill = self._prefill_group(prefill, window)
         if self.triton and window is None:
             meta.triton = self._triton_groups(batch, tables)
+
+    def _hold_palette(self) -> str:
+        """The matmul weights back in the palette form, multiplied by the Triton kernel
+        (or decoded to bf16 for cuBLAS at the batch sizes where that measured faster;
+        INFIRE_PALETTE_MATMUL=fused|decode|auto, default auto)."""
+        from infire.kernels.triton_palette import PaletteChoice
+
+        choice = PaletteChoice(os.environ.get("INFIRE_PALETTE_MATMUL", "auto"))
+        held, linears = self.model.hold_palette_weights(choice)
+        if self.device.type == "cuda":
+            choice.measure([m.palette for m in self.model.modules() if getattr(m, "palette", None)])
+        return (
+            f", palette weights in the Triton matmul ({held} of {linears} linears, {choice.mode})"
+        )
 
     def _triton_groups(
         self, batch: list[ScheduledSequence], tables: list[list[int]]

@@ -26,6 +26,7 @@ from infire.parallel import SINGLE, TensorParallelGroup, kv_head_shard
 
 if TYPE_CHECKING:
     from infire.kernels.cpu_forward import GGUFBlocks, QuantWeight
+    from infire.kernels.triton_palette import GpuPalette, PaletteChoice
     from infire.models.weights import LazyTensor
 
 
@@ -37,13 +38,17 @@ class LinearBase(nn.Module):
     weight: nn.Parameter
     packed: torch.Tensor | None = None
     quant: QuantWeight | None = None  # the weight as GGUF blocks (then `weight` is empty)
+    # the weight in Unweight's palette form for the Triton matmul (then `weight` is empty),
+    # and how each batch size multiplies it (kernels/triton_palette.py)
+    palette: GpuPalette | None = None
+    palette_choice: PaletteChoice | None = None
     _block_parts: dict[int, GGUFBlocks] | None = None
     blocks_params = ("weight",)  # what load_blocks takes
 
     def pack_for_cpu(self) -> bool:
         """Replace the weight by a oneDNN-packed copy; False where oneDNN cannot pack it."""
-        if self.quant is not None:
-            return True  # the blocks are the kernel's own layout
+        if self.quant is not None or self.palette is not None:
+            return True  # the blocks, or the palette form, are their kernel's own layout
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, PACK_BATCH_HINT)
         except (RuntimeError, AttributeError):
@@ -61,7 +66,30 @@ class LinearBase(nn.Module):
             return y if bias is None else y + bias
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [None], "")
+        if self.palette is not None:
+            from infire.kernels.triton_palette import palette_decode, palette_matmul
+
+            if self.palette_choice is not None and self.palette_choice.decodes(
+                self.palette, x.shape[0]
+            ):
+                return F.linear(x, palette_decode(self.palette), bias)
+            y = palette_matmul(x, self.palette).to(x.dtype)
+            return y if bias is None else y + bias
         return F.linear(x, self.weight, bias)
+
+    def hold_palette(self, choice: PaletteChoice | None = None) -> bool:
+        """Keep a bf16 weight in the palette form only (False where it does not take it)."""
+        from infire.kernels.triton_palette import RUN, pack_palette
+
+        weight = self.weight
+        if self.quant is not None or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+            return False
+        if weight.shape[1] % RUN:
+            return False
+        self.palette, self.palette_choice = pack_palette(weight.data), choice
+        self.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype, device=weight.device),
+                                   requires_grad=False)  # fmt: skip
+        return True
 
     def _hold_blocks(self, shard_index: int, part: GGUFBlocks, shards: int) -> None:
         """Keep one logical weight's blocks; with all `shards` of them, serve the weight so."""

@@ -194,6 +194,12 @@ class CausalLM(nn.Module):
         linears = [m for m in self.modules() if isinstance(m, LinearBase | FusedMoE)]
         return all([m.pack_for_cpu() for m in linears])
 
+    def hold_palette_weights(self, choice: Any = None) -> tuple[int, int]:
+        """Hold every bf16 matmul weight that takes it in Unweight's palette form, for the
+        Triton matmul (kernels/triton_palette.py); (held, all) linears."""
+        linears = [m for m in self.modules() if isinstance(m, LinearBase)]
+        return sum(m.hold_palette(choice) for m in linears), len(linears)
+
     def drop_matmul_weights(self, embedding: bool = False) -> None:
         """Free every matmul weight (and the embedding), for when a fused forward with its
         own copy runs the model."""
