@@ -68,10 +68,9 @@ class Sampler:
         logits = adjust_logits(logits, meta)
         greedy = logits.argmax(dim=-1)
         tokens = greedy if meta.all_greedy else self._sample(logits, meta, greedy)
-        out = SamplerOutput(token_ids=tokens.tolist())
-        if raw_logprobs is not None:
-            _fill_logprobs(out, raw_logprobs, tokens, meta.max_num_logprobs)
-        return out
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids=tokens.tolist())
+        return _with_logprobs(raw_logprobs, tokens, meta.max_num_logprobs)
 
     def _sample(
         self, logits: torch.Tensor, meta: SamplingMetadata, greedy: torch.Tensor
@@ -120,7 +119,9 @@ def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
     adjusted = logits * penalty
     scratch = torch.div(logits, penalty, out=penalty)
     below_one = meta.repetition_penalty < 1.0
-    flip = torch.where(below_one, -1.0, 1.0) if bool(below_one.any()) else None
+    # on CPU the check is free and saves two passes; on a GPU it would be a host sync
+    flipped = logits.device.type != "cpu" or bool(below_one.any())
+    flip = torch.where(below_one, -1.0, 1.0) if flipped else None
     if flip is not None:
         adjusted.mul_(flip)
         scratch.mul_(flip)
@@ -152,16 +153,23 @@ def _apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def _fill_logprobs(
-    out: SamplerOutput, logprobs: torch.Tensor, tokens: torch.Tensor, k: int
-) -> None:
+def _with_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> SamplerOutput:
+    """Tokens with their log-probabilities, ranks and top k, brought to the host in one
+    copy (one [N, 3 + 2k] float64 table: ids are exact in it)."""
     sampled = logprobs.gather(1, tokens.unsqueeze(1))
-    out.sampled_logprobs = sampled.squeeze(1).tolist()
-    out.sampled_ranks = ((logprobs > sampled).sum(dim=1) + 1).tolist()
+    ranks = (logprobs > sampled).sum(dim=1, keepdim=True) + 1
+    columns = [tokens.unsqueeze(1).double(), sampled.double(), ranks.double()]
     if k > 0:
         top = logprobs.topk(k, dim=-1)
-        out.top_token_ids = top.indices.tolist()
-        out.top_logprobs = top.values.tolist()
-    else:
-        out.top_token_ids = [[] for _ in range(logprobs.shape[0])]
-        out.top_logprobs = [[] for _ in range(logprobs.shape[0])]
+        columns += [top.indices.double(), top.values.double()]
+    table = torch.cat(columns, dim=1).tolist()  # the one copy
+    rows = range(len(table))
+    return SamplerOutput(
+        token_ids=[int(r[0]) for r in table],
+        sampled_logprobs=[r[1] for r in table],
+        sampled_ranks=[int(r[2]) for r in table],
+        top_token_ids=[[int(t) for t in r[3 : 3 + k]] for r in table]
+        if k > 0
+        else [[] for _ in rows],
+        top_logprobs=[r[3 + k :] for r in table] if k > 0 else [[] for _ in rows],
+    )
