@@ -234,3 +234,32 @@ def test_a_palette_folder_is_served_through_the_triton_matmul(
     assert (
         choice.decodes(weight, 9) and choice.decodes(weight, 16) and not choice.decodes(weight, 17)
     )
+
+
+@pytest.mark.parametrize("chunk", [64, 104])
+def test_rans_form_decodes_to_the_weights_bits_and_refuses_damage(chunk: int) -> None:
+    """The distribution form's kernel: every chunk (the last one short) decodes to the
+    bf16 weights' bits; a flipped stream byte is refused, as by the CPU decoder."""
+    import numpy as np
+
+    from infire.kernels.triton_rans import decode_bf16
+    from infire.unweight import rans
+
+    weight = (torch.randn(3000, generator=torch.Generator().manual_seed(6)) * 0.05).bfloat16()
+    weight[7] = 1e30  # a rare exponent
+    bits = weight.view(torch.int16).numpy().view(np.uint16)
+    exponent = ((bits >> 7) & 0xFF).astype(np.uint8)
+    rest = (((bits >> 8) & 0x80) | (bits & 0x7F)).astype(np.uint8)
+    encoded = rans.encode(exponent, chunk=chunk)
+    assert len(encoded.offsets) - 1 == -(-3000 // chunk)
+    assert torch.equal(decode_bf16(encoded, rest, "cpu"), weight)
+    assert np.array_equal(rans.decode(encoded), exponent)  # the CPU decoder agrees
+    damaged = rans.Encoded(encoded.frequencies, encoded.stream.copy(), encoded.offsets,
+                           encoded.count, encoded.chunk)  # fmt: skip
+    damaged.stream[len(damaged.stream) // 2] ^= 0x55
+    with pytest.raises(rans.CorruptStreamError, match="does not decode"):
+        decode_bf16(damaged, rest, "cpu", "w")
+    one = torch.full((10,), 0.5).bfloat16()  # one exponent: no stream
+    one_bits = one.view(torch.int16).numpy().view(np.uint16)
+    single = rans.encode(((one_bits >> 7) & 0xFF).astype(np.uint8))
+    assert torch.equal(decode_bf16(single, np.zeros(10, np.uint8), "cpu"), one)

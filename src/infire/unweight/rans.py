@@ -110,10 +110,14 @@ def chunk_size(n: int) -> int:
     return -(-n // (chunks * 64)) * 64
 
 
-def encode(symbols: np.ndarray, frequencies: np.ndarray | None = None) -> Encoded:
-    """rANS-code a uint8 array (with its own quantized frequencies unless given)."""
+def encode(symbols: np.ndarray, frequencies: np.ndarray | None = None,
+           chunk: int | None = None) -> Encoded:  # fmt: skip
+    """rANS-code a uint8 array (with its own quantized frequencies unless given; in chunks
+    of chunk_size's symbols unless given: a multiple of 8 up to CHUNK_SYMBOLS)."""
     symbols = np.ascontiguousarray(symbols, dtype=np.uint8).reshape(-1)
-    chunk = chunk_size(len(symbols))
+    chunk = chunk or chunk_size(len(symbols))
+    if not (STATES <= chunk <= CHUNK_SYMBOLS and chunk % STATES == 0):
+        raise ValueError(f"chunk size {chunk} is not a multiple of {STATES} up to {CHUNK_SYMBOLS}")
     if frequencies is None:
         frequencies = quantize(np.bincount(symbols, minlength=256))
     frequencies = np.ascontiguousarray(frequencies, dtype=np.uint32)
