@@ -71,6 +71,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--no-cpu-kernels", action="store_true",
         help="run every step through PyTorch instead of the fused C forward on CPU",
     )  # fmt: skip
+    group.add_argument(
+        "--enforce-eager", action="store_true",
+        help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs",
+    )  # fmt: skip
     group = parser.add_argument_group("parallelism (torch.distributed: gloo on CPU, NCCL on CUDA)")
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="ranks that split each layer (default: 1)")  # fmt: skip
@@ -115,6 +119,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         device=args.device,
         cpu_kernels=not args.no_cpu_kernels,
+        enforce_eager=args.enforce_eager,
         quantization=args.quantization,
         cache=CacheConfig(
             block_size=args.block_size,

@@ -181,6 +181,7 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     cpu_kernels: bool = True  # fused C forward on CPU where it applies (infire.kernels)
+    enforce_eager: bool = False  # on CUDA: no decode from CUDA graphs (engine/cuda_graphs.py)
     # a quantized GGUF's weights: "auto" serves them as the file's blocks where the fused
     # CPU forward runs the model (else dequantized to dtype), "none" always dequantizes
     quantization: str = "auto"

@@ -83,6 +83,7 @@ def config_to_json(config: EngineConfig) -> str:
         {
             "model": config.model, "dtype": config.dtype, "device": config.device,
             "seed": config.seed, "cpu_kernels": config.cpu_kernels,
+            "enforce_eager": config.enforce_eager,
             "quantization": config.quantization, "cache": _fields(config.cache), "scheduler": _fields(config.scheduler),
             "parallel": _fields(config.parallel), "disagg": _fields(config.disagg),
         }
@@ -95,6 +96,7 @@ def config_from_json(text: str) -> EngineConfig:
     return EngineConfig(
         model=raw["model"], dtype=raw["dtype"], device=raw["device"], seed=raw["seed"],
         cpu_kernels=raw["cpu_kernels"], quantization=raw["quantization"],
+        enforce_eager=raw["enforce_eager"],
         cache=CacheConfig(**raw["cache"]),
         scheduler=SchedulerConfig(**raw["scheduler"]),
         parallel=ParallelConfig(**raw["parallel"]), disagg=DisaggConfig(**raw["disagg"]),

@@ -82,6 +82,7 @@ class LLMEngine:
                 loaded.config, loaded.weights, config.cache, self.dtype, config.device,
                 config.seed, config.cpu_kernels, palette=loaded.palette,
                 blocks=gguf_blocks(loaded, config.quantization), scheduler_config=config.scheduler,
+                enforce_eager=config.enforce_eager,
             )  # fmt: skip
             self.executor = UniprocExecutor(runner)
         self.runner = self.executor.runner  # rank 0's

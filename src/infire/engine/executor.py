@@ -127,6 +127,7 @@ def build_rank_runner(
         loaded.config, loaded.weights, config.cache, dtype, config.device, config.seed,
         config.cpu_kernels, palette=loaded.palette, tp=tp, layer_range=stage_range,
         blocks=gguf_blocks(loaded, config.quantization), scheduler_config=config.scheduler,
+        enforce_eager=config.enforce_eager,
     )  # fmt: skip
     return runner, loaded, messages
 

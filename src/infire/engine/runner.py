@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from infire.config import CacheConfig, ModelConfig, SchedulerConfig
+from infire.engine.cuda_graphs import DecodeGraphs
 from infire.engine.request import Sequence
 from infire.engine.sampling_state import Grammar, SamplingState
 from infire.engine.scheduler import ScheduledSequence
@@ -66,6 +67,7 @@ class ModelRunner:
         tp: TensorParallelGroup = SINGLE,
         layer_range: tuple[int, int] | None = None,
         scheduler_config: SchedulerConfig | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         """Build this rank's part of the model (its tp slice of the layers in `layer_range`,
         all of them by default), load it from `weights` (a lazy WeightSource or a dict) and
@@ -161,6 +163,9 @@ class ModelRunner:
             self.model.pack_for_cpu()
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(seed))
         self.sampling_state = SamplingState(config.vocab_size, self.device)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not enforce_eager and self.triton and not sharded:
+            self._capture_graphs(scheduler_config or SchedulerConfig())
         release_free_heap()  # the load's freed scratch
 
     def _blocks_place(
@@ -266,7 +271,10 @@ class ModelRunner:
         return self.fused is not None and (item.num_new_tokens == 1 or self.fused.takes_prefill)
 
     def _forward(self, batch: list[ScheduledSequence]) -> tuple[list[Sequence], torch.Tensor]:
-        """PyTorch forward; logits of the sequences that sample this step."""
+        """PyTorch forward (a decode step replayed from its CUDA graph where one was
+        captured); logits of the sequences that sample this step."""
+        if self.graphs is not None and (bucket := self.graphs.bucket(batch)) is not None:
+            return [item.seq for item in batch], self.graphs.run(batch, bucket)
         return [item.seq for item in batch if _samples(item)], self.run_stage(batch, None)
 
     @torch.inference_mode()
@@ -377,6 +385,18 @@ class ModelRunner:
             meta.prefill = self._prefill_group(prefill, window)
         if self.triton and window is None:
             meta.triton = self._triton_groups(batch, tables)
+
+    def _capture_graphs(self, limits: SchedulerConfig) -> None:
+        """Decode steps from CUDA graphs (engine/cuda_graphs.py), where every attention
+        runs through the Triton kernels: the pool's last block becomes the padding rows'
+        sink, taken from the block manager."""
+        if self.windows or len(self.group_num_blocks) != 1 or self.num_blocks < 2:
+            return
+        context = limits.max_model_len or self.config.max_position_embeddings
+        self.num_blocks -= 1  # the block manager never hands out the sink
+        self.graphs = DecodeGraphs(self, limits.max_num_seqs, -(-context // self.block_size),
+                                   sink=self.num_blocks)  # fmt: skip
+        self.graphs.capture()
 
     def _hold_palette(self) -> str:
         """The matmul weights back in the palette form, multiplied by the Triton kernel
