@@ -43,6 +43,19 @@ def decode_splits(max_blocks: int) -> int:
 if triton is not None:
 
     @triton.jit
+    def _load_block(k_cache, v_cache, tables, seq, block, limit, kv_head, stride_kb, stride_ks,
+                    stride_kh, stride_tb, s, d, d_ok, e, e_ok, BS: tl.constexpr):  # fmt: skip
+        """Block `block` of a sequence's table: its keys and values (0 past `limit`), their
+        positions, and which are below `limit`."""
+        slot = tl.load(tables + seq * stride_tb + block)
+        pos = block * BS + s
+        ok = pos < limit
+        base = slot * stride_kb + s[:, None] * stride_ks + kv_head * stride_kh
+        keys = tl.load(k_cache + base + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+        values = tl.load(v_cache + base + e[None, :], mask=ok[:, None] & e_ok[None, :], other=0.0)
+        return keys, values, pos, ok
+
+    @triton.jit
     def _decode_split(
         q, k_cache, v_cache, tables, lengths, part_acc, part_max, part_sum,
         stride_kb, stride_ks, stride_kh, stride_tb, blocks_per_split, scale,
@@ -68,14 +81,9 @@ if triton is not None:
         running_sum = tl.zeros([GROUP_P], tl.float32)
         acc = tl.zeros([GROUP_P, VDIM_P], tl.float32)
         for block in range(first, last):
-            slot = tl.load(tables + seq * stride_tb + block)
-            pos = block * BS + s
-            ok = pos < length
-            base = slot * stride_kb + s[:, None] * stride_ks + kv_head * stride_kh
-            keys = tl.load(k_cache + base + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-            values = tl.load(
-                v_cache + base + e[None, :], mask=ok[:, None] & e_ok[None, :], other=0.0
-            )
+            keys, values, pos, ok = _load_block(k_cache, v_cache, tables, seq, block, length,
+                                                kv_head, stride_kb, stride_ks, stride_kh,
+                                                stride_tb, s, d, d_ok, e, e_ok, BS)  # fmt: skip
             scores = tl.sum(qv[:, None, :] * keys.to(tl.float32)[None, :, :], axis=2) * scale
             scores = tl.where(ok[None, :], scores, float("-inf"))
             new_max = tl.maximum(running_max, tl.max(scores, axis=1))
@@ -140,14 +148,9 @@ if triton is not None:
         running_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, VDIM_P], tl.float32)
         for block in range(0, tl.cdiv(end, BS)):
-            slot = tl.load(tables + seq * stride_tb + block)
-            k_pos = block * BS + s
-            ok = k_pos < end
-            base = slot * stride_kb + s[:, None] * stride_ks + kv_head * stride_kh
-            keys = tl.load(k_cache + base + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-            values = tl.load(
-                v_cache + base + e[None, :], mask=ok[:, None] & e_ok[None, :], other=0.0
-            )
+            keys, values, k_pos, ok = _load_block(k_cache, v_cache, tables, seq, block, end,
+                                                  kv_head, stride_kb, stride_ks, stride_kh,
+                                                  stride_tb, s, d, d_ok, e, e_ok, BS)  # fmt: skip
             if IEEE:
                 scores = tl.dot(queries.to(tl.float32), tl.trans(keys.to(tl.float32)),
                                 input_precision="ieee")  # fmt: skip
