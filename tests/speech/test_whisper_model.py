@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from infire.audio import log_mel
+from infire.engine.speech import WindowBatcher
 from infire.models.ct2 import model_parts, read_model_bin
 from infire.models.whisper import load_whisper, whisper_base_path
 from infire.models.whisper_tokenizer import WhisperTokenizer
-from infire.speech import WindowBatcher, decode_greedy
+from infire.speech import decode_greedy
 from whisper_models import whisper_base_in_transformers, write_tiny_whisper
 
 

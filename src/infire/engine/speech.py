@@ -5,7 +5,7 @@ other, each after the previous one's text. The engine thread loops:
 - requests that have no window in flight (new ones, and those whose last window just
   finished) have their next windows encoded together, in one batch; a job whose language is
   to be detected has it detected on its first window;
-- a window decoded greedily at the first temperature joins the WindowBatcher (speech.py):
+- a window decoded greedily at the first temperature joins the WindowBatcher (below):
   continuous batching by the LLM engine's Scheduler and BlockManager, the decoder's
   self-attention KV paged, its cross-attention KV computed once and dropped when the
   window ends; other decodings (beam search, a first temperature above 0) run alone;
@@ -21,6 +21,7 @@ its blocks and cross-attention KV freed; the others go on.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
@@ -32,15 +33,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from infire.config import SchedulerConfig
+from infire.engine.kv_cache import BlockManager
+from infire.engine.request import Sequence
+from infire.engine.scheduler import Scheduler
 from infire.errors import EngineDeadError
-from infire.models.whisper import load_whisper
+from infire.models.whisper import CrossKV, LoadedWhisper, PagedBatch, PagedKV, load_whisper
 from infire.models.whisper_tokenizer import WhisperTokenizer
+from infire.outputs import RequestMetrics
+from infire.sampling_params import SamplingParams
 from infire.speech import (
+    LogitRules,
     Segment,
     TranscribeOptions,
     Transcription,
     TranscriptionJob,
-    WindowBatcher,
     WindowResult,
     decode_window,
     detect_language,
@@ -60,6 +67,154 @@ class _Request:
 
     def send(self, kind: str, value: object) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+
+@dataclass(eq=False, slots=True)
+class _Window:
+    """A greedy window in a WindowBatcher: its sequence, its cross-attention KV, and what
+    its result keeps."""
+
+    key: object
+    seq: Sequence
+    cross: CrossKV
+    sot_at: int  # the prompt's <|startoftranscript|>: the no-speech probability is read there
+    max_new_tokens: int
+    rules: LogitRules
+    no_speech: float | None = None
+    logprob: float = 0.0
+
+    @property
+    def sampled(self) -> list[int]:
+        return self.seq.output_token_ids
+
+
+class WindowBatcher:
+    """Greedy windows decoded by continuous batching, as the LLM engine decodes text: the
+    engine's Scheduler takes a token budget each step (a window's prompt is a prefill,
+    chunked where it is long, then one token a step), its BlockManager hands out the
+    blocks of the decoder's paged self-attention KV (`PagedKV`; the newest window is
+    preempted and recomputed when they run out), and each window's cross-attention KV is
+    computed once when it is added and dropped when it finishes. A window may join or
+    leave at any step. The prefix cache is off: a decoder's KV depends on its audio."""
+
+    def __init__(self, whisper: LoadedWhisper, tokenizer: WhisperTokenizer, max_seqs: int = 16,
+                 kv_tokens: int | None = None, max_batched_tokens: int = 1024,
+                 block_size: int = 16) -> None:  # fmt: skip
+        self.whisper, self.tokenizer = whisper, tokenizer
+        self.max_positions = whisper.config.max_target_positions
+        # every window fits (a longer one is refused by add), 256 tokens each by default
+        kv_tokens = max(kv_tokens or 256 * max_seqs, self.max_positions)
+        num_blocks = -(-kv_tokens // block_size)
+        self.kv = PagedKV(whisper.config, num_blocks, block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max(max_batched_tokens, self.max_positions), max_seqs),
+            BlockManager(num_blocks, block_size, enable_prefix_caching=False),
+        )
+        self.windows: dict[int, _Window] = {}
+        self._rules: dict[bool, LogitRules] = {}
+        self._ids = itertools.count()
+        self.most_windows = 0  # the most windows one step has run (tests read these two)
+        self.preemptions = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.windows)
+
+    def add(self, key: object, encoded: torch.Tensor, prompt: list[int], max_new_tokens: int,
+            timestamps: bool) -> None:  # fmt: skip
+        """Decode a window (its encoding [1, frames, d_model]) after `prompt`; `step`
+        returns its result under `key`."""
+        if len(prompt) >= self.max_positions:
+            raise ValueError(f"the decoder holds {self.max_positions} tokens")
+        if timestamps not in self._rules:
+            self._rules[timestamps] = LogitRules(self.tokenizer, self.whisper.generation,
+                                                 self.whisper.config.vocab_size, timestamps)  # fmt: skip
+        seq_id = next(self._ids)
+        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+        seq = Sequence(seq_id, str(key), 0, list(prompt), params, None,  # type: ignore[arg-type]
+                       RequestMetrics(time.monotonic()))  # fmt: skip
+        cross = self.whisper.model.cross_kv(encoded)
+        self.windows[seq_id] = _Window(key, seq, cross, prompt.index(self.tokenizer.sot),
+                                       max_new_tokens, self._rules[timestamps])  # fmt: skip
+        self.scheduler.add(seq)
+
+    def abort(self, key: object) -> None:
+        """Drop the windows added under `key`: their blocks and cross-attention KV go."""
+        for seq_id, window in list(self.windows.items()):
+            if window.key == key:
+                self.scheduler.finish(window.seq)
+                del self.windows[seq_id]
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[object, WindowResult]]:
+        """One decoder step over what the scheduler picks; the windows that finished in it."""
+        out = self.scheduler.schedule()
+        # a window the pool could never hold (not one: add refuses what the pool cannot hold)
+        ended = [self._end(self.windows[seq.seq_id]) for seq in out.finished]
+        if not out.scheduled:
+            return ended
+        self.most_windows = max(self.most_windows, len(out.scheduled))
+        self.preemptions += len(out.preempted)
+        bs = self.kv.block_size
+        tokens, positions, slots, seq, want, sot_rows = [], [], [], [], [], []
+        ends: list[_Window] = []
+        width = max(len(s.seq.block_table) for s in out.scheduled)
+        tables = torch.zeros(len(out.scheduled), width, dtype=torch.int32)
+        for row, scheduled in enumerate(out.scheduled):
+            s, n = scheduled.seq, scheduled.num_new_tokens
+            window, first = self.windows[s.seq_id], s.num_computed_tokens
+            tables[row, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+            if window.no_speech is None and first <= window.sot_at < first + n:
+                sot_rows.append((window, len(tokens) + window.sot_at - first))
+            for p in range(first, first + n):
+                positions.append(p)
+                slots.append(s.block_table[p // bs] * bs + p % bs)
+            tokens += s.token_ids[first : first + n]
+            seq += [row] * n
+            if first + n == len(s.token_ids):  # its last token: the next is sampled
+                ends.append(window)
+                want.append(len(tokens) - 1)
+            s.num_computed_tokens += n
+        rows = [row for _, row in sot_rows] + want
+        batch = PagedBatch(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots),
+                           torch.tensor(seq, dtype=torch.int32), tables)  # fmt: skip
+        crosses = [self.windows[s.seq.seq_id].cross for s in out.scheduled]
+        logits = self.whisper.model.decode_paged(batch, self.kv, crosses, torch.tensor(rows))
+        no_speech = self.tokenizer.no_speech
+        for i, (window, _) in enumerate(sot_rows):
+            window.no_speech = float(torch.softmax(logits[i].float(), dim=-1)[no_speech])
+        return ended + self._sample(ends, logits[len(sot_rows) :])
+
+    def _sample(
+        self, ends: list[_Window], logits: torch.Tensor
+    ) -> list[tuple[object, WindowResult]]:
+        finished = []
+        chosen = torch.empty(len(ends), dtype=torch.long)
+        logprobs = torch.empty(len(ends))
+        for rules in self._rules.values():  # the windows of each set of rules together
+            rows = [i for i, window in enumerate(ends) if window.rules is rules]
+            if rows:
+                masked = rules.apply(logits[rows].clone(), [ends[i].sampled for i in rows])
+                chosen[rows] = masked.argmax(dim=-1)
+                logprobs[rows] = torch.log_softmax(masked.float(), dim=-1).gather(
+                    1, chosen[rows][:, None])[:, 0]  # fmt: skip
+        for window, token, logprob in zip(ends, chosen.tolist(), logprobs.tolist(), strict=True):
+            window.logprob += logprob
+            seq = window.seq
+            if token != self.tokenizer.eot:
+                seq.token_ids.append(token)
+            full = len(seq.token_ids) >= self.max_positions
+            if token == self.tokenizer.eot or len(window.sampled) >= window.max_new_tokens or full:
+                finished.append(self._end(window))
+        return finished
+
+    def _end(self, window: _Window) -> tuple[object, WindowResult]:
+        """A window's result; its blocks and cross-attention KV go."""
+        self.scheduler.finish(window.seq)
+        del self.windows[window.seq.seq_id]
+        return window.key, WindowResult(
+            list(window.sampled), window.logprob, window.no_speech or 0.0
+        )
 
 
 class SpeechEngine:

@@ -18,7 +18,7 @@ The decoder runs two ways. `decode_paged` takes a flat batch of tokens of many s
 (prefill chunks and single decode steps alike) with its self-attention KV in a paged cache
 (`PagedKV`, blocks given by the engine's BlockManager) and each sequence's cross-attention
 over its own window (`cross_kv`, computed once per window): greedy windows run this way
-(speech.py's WindowBatcher). `decode` keeps a batch's self-attention KV in contiguous
+(engine/speech.py's WindowBatcher). `decode` keeps a batch's self-attention KV in contiguous
 tensors (`DecoderCache`), for beam search, sampling at a temperature, language detection
 and word alignment (which reads the cross-attention's weights).
 """
