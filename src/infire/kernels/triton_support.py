@@ -9,10 +9,14 @@ how the tests check every kernel against its PyTorch reference on CPU.
 from __future__ import annotations
 
 import os
+import sys
 from types import ModuleType
 
 import torch
 
+# triton imported before the variable was set (by transformers, say) built its language's
+# own helpers for a GPU: the interpreter cannot run kernels in that process
+_LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -46,6 +50,8 @@ def triton_reason() -> str | None:
         return "triton is not installed"
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         return "no CUDA device, and TRITON_INTERPRET is not 1"
+    if not torch.cuda.is_available() and _LATE:
+        return "triton was imported before TRITON_INTERPRET=1 was set: no interpreter here"
     return None
 
 
@@ -57,7 +63,7 @@ def use_triton(device: torch.device | torch.Tensor) -> bool:
         return False
     mode = os.environ.get("INFIRE_TRITON", "auto")
     if mode == "1":
-        return os.environ.get("TRITON_INTERPRET") == "1" or _device(device).type == "cuda"
+        return _device(device).type == "cuda" or triton_reason() is None
     return mode != "0" and _device(device).type == "cuda"
 
 
