@@ -325,3 +325,37 @@ def test_decode_steps_through_the_graph_buffers_give_the_eager_tokens(
     graphed, replays = run(True)
     assert graphed == eager
     assert replays >= 8  # the decode steps really went through the buffers
+
+
+def test_an_unweight_source_decodes_rans_tensors_on_the_weights_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the Triton kernels serve the device the weights go to (here the CPU under the
+    interpreter, INFIRE_TRITON=1), an Unweight folder's bf16 rANS tensors are decoded there
+    by the kernel: the original bits; other forms and dtypes take the CPU decoder; a
+    damaged stream is refused naming the tensor."""
+    from infire.unweight import UnweightError, compress_tensor
+    from infire.unweight.container import UnweightSource, open_weights, save
+
+    generator = torch.Generator().manual_seed(7)
+    tensors = {
+        "a.weight": (torch.randn(24, 80, generator=generator) * 0.05).bfloat16(),
+        "b.weight": (torch.randn(40, 16, generator=generator) * 0.05).bfloat16(),
+        "norm.weight": torch.randn(16, generator=generator),  # float32: the CPU decoder
+    }
+    compressed = {name: compress_tensor(t, "rans") for name, t in tensors.items()}
+    folder, damaged = tmp_path / "folder", tmp_path / "damaged"
+    save(compressed, folder)
+    monkeypatch.setenv("INFIRE_TRITON", "1")
+    source = open_weights(folder, None, device="cpu")
+    assert source.decode_device == "cpu"
+    for name, tensor in tensors.items():
+        got = source.decode(name)
+        assert got.dtype == tensor.dtype and torch.equal(got, tensor)
+    stream = compressed["a.weight"].arrays["stream"]
+    stream[len(stream) // 2] ^= 0x55
+    save(compressed, damaged)
+    with pytest.raises(UnweightError, match="a.weight"):
+        UnweightSource(damaged, None, "cpu").decode("a.weight")
+    monkeypatch.setenv("INFIRE_TRITON", "0")
+    assert UnweightSource(folder, None, "cpu").decode_device is None  # the CPU decoder

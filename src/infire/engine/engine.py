@@ -77,7 +77,7 @@ class LLMEngine:
         else:
             if config.parallel.threads_per_rank:  # e.g. one thread each for a prefill and
                 torch.set_num_threads(config.parallel.threads_per_rank)  # a decode worker
-            loaded = load_model(config.model, self.dtype)
+            loaded = load_model(config.model, self.dtype, config.device)
             runner = ModelRunner(
                 loaded.config, loaded.weights, config.cache, self.dtype, config.device,
                 config.seed, config.cpu_kernels, palette=loaded.palette,

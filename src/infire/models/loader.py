@@ -62,10 +62,12 @@ def default_model_path() -> Path:
     return path
 
 
-def load_model(model: str | Path | None, dtype: torch.dtype) -> LoadedModel:
-    """Open a model folder or GGUF file (or the default model); weights read lazily as `dtype`."""
+def load_model(model: str | Path | None, dtype: torch.dtype,
+               device: torch.device | str | None = None) -> LoadedModel:  # fmt: skip
+    """Open a model folder or GGUF file (or the default model); weights read lazily as `dtype`
+    (an Unweight folder's, where `device` takes the Triton kernels, decoded there)."""
     path = default_model_path() if model is None else Path(model).expanduser()
-    config, weights, tokenizer = _open(path, dtype)
+    config, weights, tokenizer = _open(path, dtype, device)
     name = path.stem if path.is_file() else path.name
     return LoadedModel(config, weights, tokenizer, name, palette=_palette_folder(path))
 
@@ -106,11 +108,12 @@ def load_original(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tok
     return config, dict(weights.items()), tokenizer
 
 
-def _open(path: Path, dtype: torch.dtype | None) -> tuple[ModelConfig, WeightSource, Tokenizer]:
+def _open(path: Path, dtype: torch.dtype | None, device: torch.device | str | None = None
+          ) -> tuple[ModelConfig, WeightSource, Tokenizer]:  # fmt: skip
     if path.is_dir() and is_unweight_folder(path):
         config = read_hf_config(path)
         try:
-            weights = open_weights(path, dtype)
+            weights = open_weights(path, dtype, device=device)
         except UnweightError as e:
             raise ModelLoadError(str(e)) from None
         return config, weights, hf_tokenizer(path, config.eos_token_ids)

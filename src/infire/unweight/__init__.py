@@ -177,6 +177,17 @@ def decompress_tensor(
     return torch.from_numpy(raw).view(dtype).reshape(c.shape)
 
 
+def rans_encoded(c: CompressedTensor, name: str = "tensor") -> rans.Encoded:
+    """A `rans` tensor's stream as the decoders take it (its frequencies checked)."""
+    frequencies = np.zeros(256, dtype=np.uint32)
+    for symbol, frequency in c.meta["frequencies"].items():
+        if not 0 < int(frequency) <= rans.PROB_SCALE:
+            raise UnweightError(f"{name}: symbol frequency {frequency} out of range")
+        frequencies[int(symbol)] = int(frequency)
+    return rans.Encoded(frequencies, c.arrays["stream"], c.arrays["offsets"], math.prod(c.shape),
+                        int(c.meta["chunk_symbols"]))  # fmt: skip
+
+
 def _decode(c: CompressedTensor, dtype: torch.dtype, name: str) -> tuple[np.ndarray, int | None]:
     """The tensor's bytes, and their CRC-32 when the decoder computed it on the way."""
     count = math.prod(c.shape)
@@ -191,13 +202,7 @@ def _decode(c: CompressedTensor, dtype: torch.dtype, name: str) -> tuple[np.ndar
         return palette.decode(p).view(np.uint8), None
     if c.form != "rans":
         raise UnweightError(f"{name}: unknown form {c.form!r}")
-    frequencies = np.zeros(256, dtype=np.uint32)
-    for symbol, frequency in c.meta["frequencies"].items():
-        if not 0 < int(frequency) <= rans.PROB_SCALE:
-            raise UnweightError(f"{name}: symbol frequency {frequency} out of range")
-        frequencies[int(symbol)] = int(frequency)
-    encoded = rans.Encoded(frequencies, c.arrays["stream"], c.arrays["offsets"], count,
-                           int(c.meta["chunk_symbols"]))  # fmt: skip
+    encoded = rans_encoded(c, name)
     if dtype == torch.bfloat16:  # one pass: exponents decoded straight into the weights
         weights, crc = rans.decode_bf16(encoded, c.arrays["rest"], name)
         return weights.view(np.uint8), crc

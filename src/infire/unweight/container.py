@@ -27,11 +27,19 @@ from safetensors.numpy import save_file
 from tqdm import tqdm
 
 from infire.config import ModelConfig
+from infire.kernels.triton_support import use_triton
 from infire.models.checkpoint import open_checkpoint
 from infire.models.hf_export import hf_config, write_hf_files
 from infire.models.weights import WeightSource
 from infire.tokenizer import Tokenizer
-from infire.unweight import CompressedTensor, UnweightError, compress_tensor, decompress_tensor
+from infire.unweight import (
+    CompressedTensor,
+    UnweightError,
+    compress_tensor,
+    decompress_tensor,
+    rans,
+    rans_encoded,
+)
 
 WEIGHTS_FILE = "unweight.safetensors"
 FORMAT = "unweight"
@@ -132,9 +140,13 @@ class UnweightSource(WeightSource):
     decoded copy are in memory at once (a rank keeps its slice of the decoded tensor).
     """
 
-    def __init__(self, folder: Path, dtype: torch.dtype | None) -> None:
+    def __init__(self, folder: Path, dtype: torch.dtype | None,
+                 device: torch.device | str | None = None) -> None:  # fmt: skip
         super().__init__(dtype)
         self._path = folder / WEIGHTS_FILE
+        # where bf16 `rans` tensors are decoded by the Triton kernel (kernels/triton_rans.py):
+        # the device the weights go to, where the kernels serve it; else the CPU decoder
+        self.decode_device = device if device is not None and use_triton(device) else None
         try:
             with safe_open(str(self._path), framework="numpy") as f:
                 self._index = _read_index(f, self._path)
@@ -169,8 +181,19 @@ class UnweightSource(WeightSource):
                                 entry["meta"])  # fmt: skip
 
     def decode(self, name: str, check: str = "crc32") -> torch.Tensor:
-        """The whole original tensor, checked (UnweightError naming it if damaged)."""
-        return decompress_tensor(self.compressed(name), name, check)
+        """The whole original tensor, checked (UnweightError naming it if damaged). A bf16
+        `rans` tensor going to a `decode_device` is decoded there, checked by its rANS
+        states' ends (the CRC-32 is the CPU decoder's)."""
+        c = self.compressed(name)
+        if self.decode_device is None or c.form != "rans" or c.dtype != "BF16":
+            return decompress_tensor(c, name, check)
+        from infire.kernels.triton_rans import decode_bf16
+
+        try:
+            flat = decode_bf16(rans_encoded(c, name), c.arrays["rest"], self.decode_device, name)
+        except (rans.CorruptStreamError, KeyError, ValueError) as e:
+            raise UnweightError(str(e)) from None
+        return flat.view(c.shape)
 
     def check(self, progress: bool = False) -> None:
         """Decode every tensor once and drop it: damage is refused before anything is served."""
@@ -191,11 +214,13 @@ class UnweightSource(WeightSource):
         return tensor.narrow(dim, start, length).contiguous()
 
 
-def open_weights(folder: Path, dtype: torch.dtype | None, check: bool = True) -> UnweightSource:
+def open_weights(folder: Path, dtype: torch.dtype | None, check: bool = True,
+                 device: torch.device | str | None = None) -> UnweightSource:  # fmt: skip
     """The folder's weights as a lazy source; with `check`, every tensor is decoded once
-    first (and dropped), so a damaged file is refused when it is opened."""
-    source = UnweightSource(folder, dtype)
-    if check:
+    first (and dropped), so a damaged file is refused when it is opened (not where the
+    weights are decoded on their device: each decode there refuses damage as it loads)."""
+    source = UnweightSource(folder, dtype, device)
+    if check and source.decode_device is None:
         source.check()
     return source
 
