@@ -33,7 +33,13 @@ from infire.kernels.cpu_forward import (
 )
 from infire.kernels.triton_attention import prefill_tiles
 from infire.kernels.triton_support import use_triton
-from infire.layers.attention import AttentionMetadata, DecodeGroup, PrefillGroup, TritonGroups
+from infire.layers.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PagedAttention,
+    PrefillGroup,
+    TritonGroups,
+)
 from infire.layers.kv_spec import AttentionWindow
 from infire.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 from infire.models.registry import family_named
@@ -115,6 +121,12 @@ class ModelRunner:
         self.model.load_weights(weights, skip, module_blocks)
         self.model.eval()
         self.kv_spec = self.model.kv_spec
+        # every attention through the Triton kernels (none latent): the full-attention
+        # group then needs only their metadata, not the PyTorch path's masks
+        self.triton_only = self.triton and not any(
+            isinstance(a, PagedAttention) and a.latent_values
+            for m in self.model.modules() for a in vars(m).values()
+        )  # fmt: skip
         self.windows: tuple[AttentionWindow, ...] = self.kv_spec.windows
         # Every rank sizes the pool from the whole model's KV, so all agree on num_blocks
         # (one block manager serves them all); each allocates only its layers and KV heads.
@@ -361,6 +373,10 @@ class ModelRunner:
         tables: list[list[int]] | None = None,
     ) -> None:
         tables = tables or [item.seq.block_table for item in batch]
+        if self.triton and window is None:
+            meta.triton = self._triton_groups(batch, tables)
+            if self.triton_only:
+                return
         decode, prefill = [], []
         offset = 0
         for item, table in zip(batch, tables, strict=True):
@@ -383,8 +399,6 @@ class ModelRunner:
             meta.only_decode = len(decode) == len(batch)
         if prefill:
             meta.prefill = self._prefill_group(prefill, window)
-        if self.triton and window is None:
-            meta.triton = self._triton_groups(batch, tables)
 
     def _capture_graphs(self, limits: SchedulerConfig) -> None:
         """Decode steps from CUDA graphs (engine/cuda_graphs.py), where every attention
