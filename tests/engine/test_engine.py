@@ -3,6 +3,8 @@ preemption and bad input. Outputs are compared token for token against solo runs
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -177,3 +179,18 @@ def test_llm_api_shapes_like_vllm(tiny_llama: Path):
     )
     assert [c.index for c in two[0].outputs] == [0, 1]
     assert two[0].outputs[0].token_ids != two[0].outputs[1].token_ids
+
+
+def test_a_cpu_engine_does_not_import_triton(tiny_llama: Path):
+    """triton (installed with the test extras) costs ~90 MiB resident where it is imported:
+    an engine that serves on the CPU never takes its kernels, so never imports it (the
+    catalog's memory budget counts every engine process's resident bytes)."""
+    code = (
+        "import sys; from infire import LLM, SamplingParams\n"
+        f"llm = LLM({str(tiny_llama)!r}, dtype='float32')\n"
+        "out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))\n"
+        "print(len(out[0].outputs[0].token_ids), sorted(m for m in sys.modules if m.startswith('triton')))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["4", "[]"]

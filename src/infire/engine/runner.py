@@ -31,7 +31,6 @@ from infire.kernels.cpu_forward import (
     load_library,
     unsupported_reason,
 )
-from infire.kernels.triton_attention import prefill_tiles
 from infire.kernels.triton_support import use_triton
 from infire.layers.attention import (
     AttentionMetadata,
@@ -431,6 +430,8 @@ class ModelRunner:
     ) -> TritonGroups:
         """Decode rows (one new token) and prefill tiles (the other rows) for the Triton
         kernels: block tables, keys seen, positions."""
+        from infire.kernels.triton_attention import prefill_tiles
+
         decode: list[tuple[int, list[int], int]] = []
         prefill: list[tuple[int, int, int, list[int]]] = []
         offset = 0

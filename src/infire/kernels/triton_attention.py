@@ -27,7 +27,8 @@ import os
 
 import torch
 
-from infire.kernels.triton_support import next_power_of_2, round_to, tl, triton
+from infire.kernels.triton_lang import round_to, tl, triton
+from infire.kernels.triton_support import next_power_of_2
 
 # queries a prefill program takes, and the most splits a decode takes
 BLOCK_M = 16

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from infire.kernels.triton_support import next_power_of_2, round_to, tl, triton
+from infire.kernels.triton_lang import round_to, tl, triton
+from infire.kernels.triton_support import next_power_of_2
 
 if triton is not None:
 

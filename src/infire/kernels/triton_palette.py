@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from infire.kernels.triton_support import tl, triton
+from infire.kernels.triton_lang import tl, triton
 from infire.unweight import palette as palette_form
 
 RUN = 64  # columns of a row that share a verbatim flag

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from infire.kernels.triton_support import tl, triton
+from infire.kernels.triton_lang import tl, triton
 from infire.unweight import rans
 
 BLOCK = 16  # chunks a program decodes side by side

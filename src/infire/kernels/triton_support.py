@@ -1,4 +1,8 @@
-"""Triton, where it is installed: the GPU path's kernels (triton_attention.py, triton_ops.py).
+"""Whether the GPU path's Triton kernels (triton_attention.py, triton_ops.py, ...) serve.
+
+This module does not import triton: a process that never takes the kernels (every CPU
+engine) does not pay triton's import (~90 MiB resident). The kernels' modules import it
+through triton_lang.py, and only code that has asked `use_triton` imports them.
 
 On a machine without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1,
 set here before triton is imported, since `triton.jit` reads it when a kernel is
@@ -8,9 +12,9 @@ how the tests check every kernel against its PyTorch reference on CPU.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
-from types import ModuleType
 
 import torch
 
@@ -20,33 +24,12 @@ _LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-triton: ModuleType | None
-tl: ModuleType | None
-round_to: object
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the torch path serves
-    triton = tl = None
-
-
-if triton is not None:
-
-    @triton.jit
-    def round_to(x, dtype: tl.constexpr):
-        """float32 x to `dtype`, rounded to nearest even (bf16 by its bits: Triton's
-        interpreter truncates in its cast, where a GPU rounds; both get this)."""
-        if dtype == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        else:
-            return x.to(dtype)
+INSTALLED = importlib.util.find_spec("triton") is not None
 
 
 def triton_reason() -> str | None:
     """Why the Triton kernels cannot run here, or None."""
-    if triton is None:
+    if not INSTALLED:
         return "triton is not installed"
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         return "no CUDA device, and TRITON_INTERPRET is not 1"
@@ -59,7 +42,7 @@ def use_triton(device: torch.device | torch.Tensor) -> bool:
     """Whether the GPU path's Triton kernels serve a tensor (or device): on CUDA where
     triton is installed, unless INFIRE_TRITON=0; INFIRE_TRITON=1 runs them on CPU too,
     under the interpreter (the tests' way to run a whole model through them)."""
-    if triton is None:
+    if not INSTALLED:
         return False
     mode = os.environ.get("INFIRE_TRITON", "auto")
     if mode == "1":

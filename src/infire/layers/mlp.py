@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infire.kernels.triton_ops import silu_and_mul
 from infire.kernels.triton_support import use_triton
 from infire.layers.linear import ColumnParallelLinear, RowParallelLinear
 from infire.parallel import SINGLE, TensorParallelGroup
@@ -20,7 +19,9 @@ from infire.parallel import SINGLE, TensorParallelGroup
 
 def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     """act(gate) * up of a [..., 2 * I] tensor holding gate then up."""
-    if activation == "silu" and use_triton(gate_up):  # one launch (kernels/triton_ops.py)
+    if activation == "silu" and use_triton(gate_up):  # one launch
+        from infire.kernels.triton_ops import silu_and_mul
+
         return silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     if activation == "silu":

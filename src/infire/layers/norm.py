@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infire.kernels.triton_ops import add_rms_norm
 from infire.kernels.triton_support import use_triton
 
 if TYPE_CHECKING:
@@ -32,7 +31,9 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if use_triton(x):  # one launch for the add and the norm (kernels/triton_ops.py)
+        if use_triton(x):  # one launch for the add and the norm
+            from infire.kernels.triton_ops import add_rms_norm
+
             return add_rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual

@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from infire.config import RopeScaling
-from infire.kernels.triton_ops import rotary
 from infire.kernels.triton_support import use_triton
 
 
@@ -117,7 +116,9 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     """RoPE on x [T, heads, D] (q and k heads together) with cos/sin from cos_sin()."""
-    if use_triton(x):  # one launch (kernels/triton_ops.py)
+    if use_triton(x):  # one launch
+        from infire.kernels.triton_ops import rotary
+
         return rotary(x, cos_sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
