@@ -29,8 +29,10 @@ llama-cpp-python's C API in `.bench-venv`. Measures:
   machine's peak rate of int8 products, in the instruction mix of llama.cpp's arithmetic
   and in the instruction set's cheapest (AVX512-VNNI's vpdpbusd, or AVX2's vpmaddubsw
   summed in 16 bits: no engine's products go faster), as output tok/s
-  (benchmarks/int8_peak.c: no memory traffic, independent chains); and the kernel's own
-  rate at batch 32 on a weight that stays in cache.
+  (benchmarks/int8_peak.c: no memory traffic, independent chains); the same ops at the
+  rates of infire's own AVX2 K-quant kernels' inner loops run alone in registers (each
+  type's ops at its loop's rate: what those kernels reach if nothing outside their inner
+  loop took time); and the kernel's own rate at batch 32 on a weight that stays in cache.
 
 Results go to benchmarks/results/gguf.json and docs/benchmarks-gguf.png.
 
@@ -280,17 +282,20 @@ def int8_peaks() -> dict[str, float]:
         raise RuntimeError(lib)
     if quant_isa() == "avx512-vnni":
         loops = {"isa": "dpbusd", "k_quant": "k_quant", "legacy": "legacy"}
-    else:
-        loops = {"isa": "maddubs2", "k_quant": "k_quant2", "legacy": "legacy2"}
+    else:  # and the inner loops of the AVX2 Q4_K group and Q6_K row kernels
+        loops = {"isa": "maddubs2", "k_quant": "k_quant2", "legacy": "legacy2",
+                 "q4k_inner_t2": "q4k_groups2_t2", "q4k_inner_t3": "q4k_groups2_t3",
+                 "q6k_inner": "q6k_rows2"}  # fmt: skip
     peaks = {}
     for mix, loop in loops.items():
         run = getattr(lib, f"peak_{loop}")
         run.restype, run.argtypes = ctypes.c_long, [ctypes.c_long]
-        run(1_000_000)
+        iters = 2_000_000 if loop.startswith("q4k") else 20_000_000  # 16x the products
+        run(iters // 20)
         best = 0.0
         for _ in range(3):
             start = time.perf_counter()
-            done = run(20_000_000)
+            done = run(iters)
             best = max(best, 2 * done / (time.perf_counter() - start))
         peaks[mix] = best
     return peaks
@@ -342,18 +347,30 @@ def kernel_rate(kind: int, cols: int) -> float:
     return best
 
 
-def batch_ops(weights: object, sizes: dict) -> float:
-    """Integer ops (2 per multiply-add) of the batch-32 workload's matmuls."""
+def batch_ops(weights: object, sizes: dict) -> dict[int, float]:
+    """Integer ops (2 per multiply-add) of the batch-32 workload's matmuls, per GGML type."""
     names = list(weights.names())
     head = "lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight"
-    body = sum(
-        math.prod(weights.shape(name))
-        for name in names
-        if len(weights.shape(name)) == 2 and name not in (head, "model.embed_tokens.weight")
-    )
     prompts = sizes["batch"] * (sizes["prompt"] + sizes["batch_tokens"])
     outputs = sizes["batch"] * sizes["batch_tokens"]
-    return 2.0 * (body * prompts + math.prod(weights.shape(head)) * outputs)
+    ops: dict[int, float] = {}
+    for name in names:
+        if len(weights.shape(name)) != 2 or (name == "model.embed_tokens.weight" != head):
+            continue  # not a matmul, or an embedding that is not also the head
+        kind = weights.blocks(name)[0]
+        tokens = outputs if name == head else prompts
+        ops[kind] = ops.get(kind, 0.0) + 2.0 * math.prod(weights.shape(name)) * tokens
+    return ops
+
+
+def inner_ceiling(ops: dict[int, float], peaks: dict[str, float]) -> float | None:
+    """Seconds of the ops at the rates of infire's AVX2 kernels' inner loops (Q4_K's at 2
+    tokens a pass, its best; Q6_K's), or None where a type has no such loop here."""
+    rates = {12: max(peaks.get("q4k_inner_t2", 0), peaks.get("q4k_inner_t3", 0)),
+             14: peaks.get("q6k_inner", 0)}  # fmt: skip
+    if any(not rates.get(kind) for kind in ops):
+        return None
+    return sum(n / rates[kind] for kind, n in ops.items())
 
 
 def main() -> None:
@@ -399,11 +416,15 @@ def main() -> None:
         row = results["files"][label] = {"file_bytes": path.stat().st_size, "weights_bytes": stored}
         kind = int(gguf.GGMLQuantizationType[weights.type_counts()[0][0]])  # the most bytes
         mix = "k_quant" if kind in (12, 13, 14) else "legacy"
-        ops = batch_ops(weights, sizes)
+        by_type = batch_ops(weights, sizes)
+        ops, inner = sum(by_type.values()), inner_ceiling(by_type, peaks)
+        outputs = sizes["batch"] * sizes["batch_tokens"]
         row["ceiling"] = {
             "batch_ops": ops, "mix": mix, "type": kind,
-            "peak_tok_s": sizes["batch"] * sizes["batch_tokens"] / (ops / peaks[mix]),
-            "isa_tok_s": sizes["batch"] * sizes["batch_tokens"] / (ops / peaks["isa"]),
+            "ops_by_type": {str(k): v for k, v in by_type.items()},
+            "peak_tok_s": outputs / (ops / peaks[mix]),
+            "isa_tok_s": outputs / (ops / peaks["isa"]),
+            "inner_tok_s": outputs / inner if inner else None,
             "kernel_gops": kernel_rate(kind, SHAPE["hidden"]) / 1e9,
         }  # fmt: skip
     # the machine's bandwidth and llama.cpp's own speed drift over minutes: every engine
@@ -442,6 +463,10 @@ def main() -> None:
               f"<= {c['peak_tok_s']:.0f} tok/s, at the instruction set's peak <= "
               f"{c['isa_tok_s']:.0f} (3x llama.cpp: {needed:.0f}); infire's kernel "
               f"{c['kernel_gops']:.0f} GOP/s in cache")  # fmt: skip
+        if c["inner_tok_s"]:
+            split = ", ".join(f"type {k} {v / 1e12:.2f} T" for k, v in c["ops_by_type"].items())
+            print(f"{label}: ({split}) at infire's kernels' inner loops alone <= "
+                  f"{c['inner_tok_s']:.0f} tok/s")  # fmt: skip
     print()
     print(
         "| file | engine | decode tok/s | prefill tok/s | batch-32 tok/s | peak RSS MB | roofline |"
