@@ -30,3 +30,17 @@ def test_an_installed_triton_that_does_not_import_leaves_the_pytorch_path(tmp_pa
     assert first == "True False False"
     # asked for a device where it would run, it is imported, fails, and is not used
     assert second == "False triton is installed but does not import"
+
+
+def test_without_triton_the_kernels_modules_import_and_nothing_uses_them():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # as where triton is not installed
+        "import torch\n"
+        "from infire.kernels import triton_support as ts\n"
+        "from infire.kernels import triton_attention, triton_ops, triton_palette, triton_rans\n"
+        "print(ts.INSTALLED, ts.use_triton(torch.device('cuda')), ts.triton_reason())"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "False False triton is not installed"
