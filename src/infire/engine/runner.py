@@ -265,18 +265,20 @@ class ModelRunner:
         """
         fused = [i for i in batch if self._takes_fused(i)]
         others = [i for i in batch if not self._takes_fused(i)]
-        sampled_seqs: list[Sequence] = []
+        # the rows that sample, in the order of their logits below (others, then fused);
+        # their parameters go to the device before the forward is queued: on a GPU a copy
+        # from the host queued after it would hold the host until the forward had run
+        sampled_seqs = [i.seq for i in (*others, *fused) if _samples(i)]
+        meta = self._sampling_metadata(sampled_seqs) if sampled_seqs else None
         logits: list[torch.Tensor] = []
         for run, items in ((self._forward, others), (self._forward_fused, fused)):
             if items:
                 seqs, rows = run(items)
-                sampled_seqs += seqs
                 logits += [rows] if seqs else []
-        if not sampled_seqs:
+        if meta is None:
             return StepResult([], None)
         rows = logits[0] if len(logits) == 1 else torch.cat(logits)
-        output = self.sampler(rows, self._sampling_metadata(sampled_seqs))
-        return StepResult(sampled_seqs, output)
+        return StepResult(sampled_seqs, self.sampler(rows, meta))
 
     def _takes_fused(self, item: ScheduledSequence) -> bool:
         return self.fused is not None and (item.num_new_tokens == 1 or self.fused.takes_prefill)
