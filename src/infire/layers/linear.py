@@ -54,8 +54,14 @@ class LinearBase(nn.Module):
         except (RuntimeError, AttributeError):
             return False
         self.packed = packed
-        self.weight = nn.Parameter(torch.empty(0, dtype=packed.dtype), requires_grad=False)
+        self._drop_weight()
         return True
+
+    def _drop_weight(self) -> None:
+        """Leave an empty `weight` (of its dtype, on its device) where another form serves."""
+        weight = self.weight
+        self.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype, device=weight.device),
+                                   requires_grad=False)  # fmt: skip
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ bias) for 2-D x, whatever the storage."""
@@ -87,8 +93,7 @@ class LinearBase(nn.Module):
         if weight.shape[1] % RUN:
             return False
         self.palette, self.palette_choice = pack_palette(weight.data), choice
-        self.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype, device=weight.device),
-                                   requires_grad=False)  # fmt: skip
+        self._drop_weight()
         return True
 
     def _hold_blocks(self, shard_index: int, part: GGUFBlocks, shards: int) -> None:
@@ -99,7 +104,7 @@ class LinearBase(nn.Module):
         if len(self._block_parts) == shards:
             self.quant = QuantWeight([self._block_parts[i] for i in range(shards)])
             self._block_parts = None
-            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+            self._drop_weight()
 
 
 def decode_blocks(part: GGUFBlocks, cols: int) -> torch.Tensor:
