@@ -104,7 +104,7 @@ def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
 def test_products_match_numpy_and_do_not_depend_on_the_batch(qtype: T, isa: str) -> None:
     """Quantized types multiply int8-quantized activations (llama.cpp's arithmetic), the
     F32/F16/BF16 ones fp32 activations: the reference does the same in float64. For each
-    instruction set the CPU has; 33 tokens and odd row counts take every path."""
+    instruction set the CPU has; 37 tokens and odd row counts take every path."""
     rng = np.random.default_rng(100 + int(qtype))
     values = (rng.standard_normal((41, 800)) * 0.1).astype(np.float32)  # 25 blocks of 32
     if qtype in K_QUANTS:
@@ -119,7 +119,9 @@ def test_products_match_numpy_and_do_not_depend_on_the_batch(qtype: T, isa: str)
     exact = xs @ reference.astype(np.float64).T
     bound = TOLERANCE * (np.abs(xs) @ np.abs(reference.astype(np.float64)).T) + 1e-30
     assert np.all(np.abs(y - exact) <= bound), np.abs(y - exact).max()
-    for n in (1, 2, 5, 33):  # a token's result is the same alone or in any batch
+    # a token's result is the same alone or in any batch (a block of 32 tokens takes the
+    # wide kernels, Q6_K's from 12 tokens with 16 lanes, Q4_K's from 30)
+    for n in (1, 2, 5, 13, 30, 33):
         alone = quant_linear(w, torch.from_numpy(x[:n])).numpy()
         assert np.array_equal(alone, y[:n])
 
@@ -247,7 +249,7 @@ def test_rows_interleaved_in_groups_of_16_hold_the_same_blocks(qtype: T, isa: st
         exact = xs @ reference[rows].T
         bound = TOLERANCE * (np.abs(xs) @ np.abs(reference[rows]).T) + 1e-30
         assert np.all(np.abs(y[:, rows] - exact) <= bound), np.abs(y[:, rows] - exact).max()
-    for n in (1, 2, 9, 33):
+    for n in (1, 2, 9, 30, 33):
         assert np.array_equal(quant_linear(w, torch.from_numpy(x[:n])).numpy(), y[:n])
 
 

@@ -477,6 +477,14 @@ typedef struct {
     const int8_t *qk;
     const float *dk;
     const int16_t *bsum;
+    /* the same per-256 activations with the tokens side by side (for rows16_q4k_wide; NULL
+     * where a block of tokens does not take it): per 4 codes (as qk stores them) the block's
+     * TOKEN_BLOCK tokens' 4 each; per 256 values and pair c of 32-value sub-blocks (2 c,
+     * 2 c + 1) each token's two sums as 16-bit halves; per 256 values each token's scale */
+    const int8_t *qt;
+    const uint8_t *qu; /* qt + 128: unsigned (rows_q6k_wide) */
+    const int32_t *mt;
+    const float *dt;
     int cols;
 } QuantX;
 
@@ -796,6 +804,11 @@ static inline __attribute__((always_inline)) __m256 k_block_sums(
     if (type == GGML_Q6_K) { /* d sc (u - 32): the offset shares the scale */
         __m256i off = _mm256_madd_epi16(bsum, k->sc);
         dots = _mm256_sub_epi32(dots, _mm256_slli_epi32(off, 5));
+        /* the block's whole integer sum in lane 0 (the others zero), as rows_q6k_wide sums it */
+        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(dots), _mm256_extracti128_si256(dots, 1));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+        dots = _mm256_zextsi128_si256(_mm_cvtsi32_si128(_mm_cvtsi128_si32(h)));
     }
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(k->d * dx), acc);
     if (type == GGML_Q6_K) return acc;
@@ -1378,6 +1391,28 @@ static inline __m256i lane_bytes16(__m256i v, int j, int pair) {
     return _mm256_shuffle_epi8(v, _mm256_add_epi32(lanes, _mm256_set1_epi32(lo | 0x8000 | hi << 16 | (int)0x80000000)));
 }
 
+/* A Q4_K group block's 6-bit scales and mins (see group_layout), per row half h (rows 8 h ..
+ * 8 h + 7, a 32-bit lane each): sc[h][s] sub-block s's scale in both 16-bit halves of its
+ * row's lane, mn[h][c] the mins of sub-blocks 2 c and 2 c + 1 in the low and high halves. */
+static inline __attribute__((always_inline)) void q4k_group_scales(const uint8_t *blk, __m256i sc[2][8],
+                                                                   __m256i mn[2][4]) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), six = _mm256_set1_epi8(0x3F);
+    const __m256i top2 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++) {
+        const __m256i s0 = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * h));
+        const __m256i s1 = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        const __m256i s2 = _mm256_loadu_si256((const __m256i *)(blk + 192 + 32 * h));
+        /* per row: scales and mins of sub-blocks 0-3 and 4-7, a byte each */
+        const __m256i sc_lo = _mm256_and_si256(s0, six), m_lo = _mm256_and_si256(s1, six);
+        const __m256i sc_hi = _mm256_or_si256(_mm256_and_si256(s2, low4),
+                                              _mm256_and_si256(_mm256_srli_epi32(s0, 2), top2));
+        const __m256i m_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(s2, 4), low4),
+                                             _mm256_and_si256(_mm256_srli_epi32(s1, 2), top2));
+        for (int s = 0; s < 8; s++) sc[h][s] = lane_bytes16(s < 4 ? sc_lo : sc_hi, s % 4, 0);
+        for (int c = 0; c < 4; c++) mn[h][c] = lane_bytes16(c < 2 ? m_lo : m_hi, (2 * c) % 4, 1);
+    }
+}
+
 /* Q4_K rows in groups of 16 (see group_layout, nibble_group_codes) with tokens t0 .. t0 + tk - 1's
  * per-256 activations: a vector's low nibbles are 8 rows' codes, its high nibbles the other 8
  * rows', both meeting one broadcast of a token's 4 activations. A sub-block's 8 `vpmaddubsw`
@@ -1389,8 +1424,7 @@ static inline __attribute__((always_inline)) void rows16_q4k(const int tk, const
                                                              int t0, const QuantX *x, float *out) {
     const int cols = x->cols, blocks = cols / QK_BLOCK;
     const long size = GROUP_ROWS * 144;
-    const __m256i low4 = _mm256_set1_epi8(0x0F), six = _mm256_set1_epi8(0x3F);
-    const __m256i top2 = _mm256_set1_epi8(0x30);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
     __m256 acc[2][G2_TOKENS];
     for (int h = 0; h < 2; h++)
         for (int j = 0; j < tk; j++) acc[h][j] = _mm256_setzero_ps();
@@ -1398,21 +1432,8 @@ static inline __attribute__((always_inline)) void rows16_q4k(const int tk, const
         const uint8_t *blk = group + b * size;
         if (t0 == 0) /* later tokens find the group in cache */
             prefetch_group_block(blk, size);
-        /* per row half: the sub-blocks' scales, and pairs of their mins, as 16-bit pairs */
         __m256i sc[2][8], mn[2][4];
-        for (int h = 0; h < 2; h++) {
-            const __m256i s0 = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * h));
-            const __m256i s1 = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-            const __m256i s2 = _mm256_loadu_si256((const __m256i *)(blk + 192 + 32 * h));
-            /* per row: scales and mins of sub-blocks 0-3 and 4-7, a byte each */
-            const __m256i sc_lo = _mm256_and_si256(s0, six), m_lo = _mm256_and_si256(s1, six);
-            const __m256i sc_hi = _mm256_or_si256(_mm256_and_si256(s2, low4),
-                                                  _mm256_and_si256(_mm256_srli_epi32(s0, 2), top2));
-            const __m256i m_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(s2, 4), low4),
-                                                 _mm256_and_si256(_mm256_srli_epi32(s1, 2), top2));
-            for (int s = 0; s < 8; s++) sc[h][s] = lane_bytes16(s < 4 ? sc_lo : sc_hi, s % 4, 0);
-            for (int c = 0; c < 4; c++) mn[h][c] = lane_bytes16(c < 2 ? m_lo : m_hi, (2 * c) % 4, 1);
-        }
+        q4k_group_scales(blk, sc, mn);
         __m256i isum[2][G2_TOKENS];
         for (int j = 0; j < tk; j++) isum[0][j] = isum[1][j] = _mm256_setzero_si256();
 #pragma GCC unroll 1 /* unrolled, GCC 12 keeps every product on the stack before summing */
@@ -1461,6 +1482,355 @@ static inline __attribute__((always_inline)) void rows16_q4k(const int tk, const
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + (long)(t0 + j) * GROUP_ROWS + 8 * h, acc[h][j]);
 }
 
+/* The inner loop of rows16_q4k_wide: a 32-value sub-block of two rows (codes `w`, 4 a row
+ * for each k at w + 64 k) with 32 tokens' activations (`a`, 128 bytes for each k), the
+ * products' pair sums added in 16 bits, then times the rows' scales (sc[0], sc[1], as
+ * 16-bit pairs) added in 32 bits to isum[0 .. 3] (the first row, 8 tokens a vector) and
+ * isum[4 .. 7]. Written in assembly: GCC (12) spills the accumulators of the same loop in
+ * intrinsics, or loads each activation vector once a row, and runs it ~35% slower. */
+static inline __attribute__((always_inline)) void wide_sub_block(const int8_t *a, const uint8_t *w,
+                                                                 const int32_t *sc, __m256i *isum) {
+#define WIDE_ROWS2(X, A, B)                                                                   \
+    "vpmaddubsw %%ymm" X ", %%ymm12, %%ymm14\n\t"                                           \
+    "vpaddw %%ymm14, %%ymm" A ", %%ymm" A "\n\t"                                            \
+    "vpmaddubsw %%ymm" X ", %%ymm13, %%ymm15\n\t"                                           \
+    "vpaddw %%ymm15, %%ymm" B ", %%ymm" B "\n\t"
+#define WIDE_STEP(W, A)                                                                       \
+    "vpbroadcastd " W "(%[w]), %%ymm12\n\t"                                                  \
+    "vpbroadcastd " W "+4(%[w]), %%ymm13\n\t"                                                \
+    "vmovdqa " A "(%[a]), %%ymm8\n\t"                                                        \
+    "vmovdqa " A "+32(%[a]), %%ymm9\n\t"                                                     \
+    "vmovdqa " A "+64(%[a]), %%ymm10\n\t"                                                    \
+    "vmovdqa " A "+96(%[a]), %%ymm11\n\t"                                                    \
+    WIDE_ROWS2("8", "0", "4") WIDE_ROWS2("9", "1", "5") WIDE_ROWS2("10", "2", "6")            \
+    WIDE_ROWS2("11", "3", "7")
+#define WIDE_SCALE(A, S, AT)                                                                  \
+    "vpmaddwd %%ymm" S ", %%ymm" A ", %%ymm" A "\n\t"                                         \
+    "vpaddd " AT "(%[p]), %%ymm" A ", %%ymm" A "\n\t"                                          \
+    "vmovdqa %%ymm" A ", " AT "(%[p])\n\t"
+    long k = 8;
+    __asm__ volatile(
+        "vpxor %%xmm0, %%xmm0, %%xmm0\n\t"
+        "vpxor %%xmm1, %%xmm1, %%xmm1\n\t"
+        "vpxor %%xmm2, %%xmm2, %%xmm2\n\t"
+        "vpxor %%xmm3, %%xmm3, %%xmm3\n\t"
+        "vpxor %%xmm4, %%xmm4, %%xmm4\n\t"
+        "vpxor %%xmm5, %%xmm5, %%xmm5\n\t"
+        "vpxor %%xmm6, %%xmm6, %%xmm6\n\t"
+        "vpxor %%xmm7, %%xmm7, %%xmm7\n\t"
+        "1:\n\t"
+        WIDE_STEP("0", "0")
+        WIDE_STEP("64", "128")
+        "add $128, %[w]\n\t"
+        "add $256, %[a]\n\t"
+        "sub $2, %[k]\n\t"
+        "jnz 1b\n\t"
+        "vpbroadcastd (%[sc]), %%ymm12\n\t"
+        "vpbroadcastd 4(%[sc]), %%ymm13\n\t"
+        WIDE_SCALE("0", "12", "0")
+        WIDE_SCALE("1", "12", "32")
+        WIDE_SCALE("2", "12", "64")
+        WIDE_SCALE("3", "12", "96")
+        WIDE_SCALE("4", "13", "128")
+        WIDE_SCALE("5", "13", "160")
+        WIDE_SCALE("6", "13", "192")
+        WIDE_SCALE("7", "13", "224")
+        : [a] "+r"(a), [w] "+r"(w), [k] "+r"(k)
+        : [p] "r"(isum), [sc] "r"(sc)
+        : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8",
+          "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+#undef WIDE_ROWS2
+#undef WIDE_STEP
+#undef WIDE_SCALE
+}
+
+/* Q4_K rows in groups of 16 with a batch's tokens side by side: the arithmetic of rows16_q4k
+ * (the same integer sums, converted and scaled in the same float operations, so a product
+ * does not depend on the kernel that made it), arranged the other way round. A block's codes
+ * are unpacked once into bytes for all of the block's tokens; a row's 4 codes are broadcast
+ * and meet a vector of 8 tokens' 4 activations (QuantX.qt) in one `vpmaddubsw`, so that
+ * nothing but products and their 16-bit sums runs in the inner loop (rows16_q4k splits
+ * nibbles and broadcasts activations there, 3 tokens a pass). `nv` vectors of 8 tokens. */
+static inline __attribute__((always_inline)) void rows16_q4k_wide(const uint8_t *group, int nt,
+                                                                  const QuantX *x, float *out) {
+    const int nv = 4;
+    const int cols = x->cols, blocks = cols / QK_BLOCK;
+    const long size = GROUP_ROWS * 144;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    uint8_t codes[8][8][64] __attribute__((aligned(32))); /* [sub-block][k][row]: 4 codes a row */
+    int32_t sc[8][GROUP_ROWS] __attribute__((aligned(32))), mn[4][GROUP_ROWS] __attribute__((aligned(32)));
+    __m256i isum[8] __attribute__((aligned(32)));
+    __m256 acc[GROUP_ROWS][4];
+    for (int r = 0; r < GROUP_ROWS; r++)
+        for (int v = 0; v < nv; v++) acc[r][v] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const uint8_t *blk = group + b * size;
+        prefetch_group_block(blk, size);
+        for (int s = 0; s < 8; s++)
+            for (int k = 0; k < 8; k++) {
+                const __m256i c = _mm256_loadu_si256((const __m256i *)(blk + 256 + 256 * s + 32 * k));
+                _mm256_store_si256((__m256i *)codes[s][k], _mm256_and_si256(c, low4));
+                _mm256_store_si256((__m256i *)(codes[s][k] + 32), _mm256_and_si256(_mm256_srli_epi16(c, 4), low4));
+            }
+        {
+            __m256i scv[2][8], mnv[2][4];
+            q4k_group_scales(blk, scv, mnv);
+            for (int h = 0; h < 2; h++) {
+                for (int s = 0; s < 8; s++) _mm256_store_si256((__m256i *)(sc[s] + 8 * h), scv[h][s]);
+                for (int c = 0; c < 4; c++) _mm256_store_si256((__m256i *)(mn[c] + 8 * h), mnv[h][c]);
+            }
+        }
+        const int8_t *act = x->qt + (long)b * QK_BLOCK * TOKEN_BLOCK;
+        for (int r = 0; r < GROUP_ROWS; r += 2) {
+            for (int v = 0; v < 8; v++) isum[v] = _mm256_setzero_si256();
+            for (int s = 0; s < 8; s++)
+                wide_sub_block(act + 32 * k_slot(s) * TOKEN_BLOCK, codes[s][0] + 4 * r, sc[s] + r, isum);
+            for (int h = 0; h < 2; h++) {
+                const __m256 d = _mm256_set1_ps(half(blk + 2 * (r + h)));
+                const __m256 dmin = _mm256_set1_ps(half(blk + 32 + 2 * (r + h)));
+                for (int v = 0; v < nv; v++) {
+                    const __m256 dx = _mm256_load_ps(x->dt + (long)b * TOKEN_BLOCK + 8 * v);
+                    __m256i msum = _mm256_setzero_si256();
+                    for (int c = 0; c < 4; c++) {
+                        const __m256i pair = _mm256_load_si256((const __m256i *)(x->mt + ((long)b * 4 + c) * TOKEN_BLOCK + 8 * v));
+                        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(_mm256_set1_epi32(mn[c][r + h]), pair));
+                    }
+                    acc[r + h][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[4 * h + v]), _mm256_mul_ps(d, dx), acc[r + h][v]);
+                    acc[r + h][v] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, dx), acc[r + h][v]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < GROUP_ROWS; r++)
+        for (int v = 0; v < nv; v++) {
+            float lane[8];
+            _mm256_storeu_ps(lane, acc[r][v]);
+            for (int t = 8 * v; t < nt && t < 8 * v + 8; t++) out[t * GROUP_ROWS + r] = lane[t - 8 * v];
+        }
+}
+
+/* Tokens from which a block takes rows16_q4k_wide (fewer: rows16_q4k, faster where the wide
+ * form's 32 lanes are not nearly full) and rows_q6k_wide. */
+#define WIDE_Q4K_TOKENS 30
+#define WIDE_Q6K_TOKENS 12
+
+/* The inner loop of rows_q6k_wide: a 256-value block of two rows (codes u - 32 in `w`, per
+ * sub-block j and values 4 k .. 4 k + 3 of it the two rows' 4 at w + 64 j + 8 k; each 16
+ * values' scales as 16-bit pairs in `sc`, the two rows' at sc + 8 g) with 16 tokens'
+ * unsigned activations (sub-block j's at ap[j], 128 bytes for each k), into isum[0 .. 1]
+ * (the first row, 8 tokens a vector) and isum[2 .. 3]. Pair sums of (x + 128)(u - 32) reach
+ * 16320: two add up in 16 bits, then vpmaddwd by the scale. */
+static inline __attribute__((always_inline)) void q6k_wide_block(const uint8_t *const *ap,
+                                                                 const uint8_t *w, const int32_t *sc,
+                                                                 __m256i *isum) {
+    long n = 8;
+    const uint8_t *a;
+    __asm__ volatile(
+        "vpxor %%xmm0, %%xmm0, %%xmm0\n\t"
+        "vpxor %%xmm1, %%xmm1, %%xmm1\n\t"
+        "vpxor %%xmm2, %%xmm2, %%xmm2\n\t"
+        "vpxor %%xmm3, %%xmm3, %%xmm3\n\t"
+        "1:\n\t"
+        "mov (%[ap]), %[a]\n\t"
+        "vpbroadcastd 0(%[sc]), %%ymm12\n\t"
+        "vpbroadcastd 4(%[sc]), %%ymm13\n\t"
+        "vmovdqa 0(%[a]), %%ymm8\n\t"
+        "vmovdqa 32(%[a]), %%ymm9\n\t"
+        "vpbroadcastd 0(%[w]), %%ymm10\n\t"
+        "vpbroadcastd 4(%[w]), %%ymm11\n\t"
+        "vpmaddubsw %%ymm10, %%ymm8, %%ymm4\n\t"
+        "vpmaddubsw %%ymm10, %%ymm9, %%ymm5\n\t"
+        "vpmaddubsw %%ymm11, %%ymm8, %%ymm6\n\t"
+        "vpmaddubsw %%ymm11, %%ymm9, %%ymm7\n\t"
+        "vmovdqa 128(%[a]), %%ymm8\n\t"
+        "vmovdqa 160(%[a]), %%ymm9\n\t"
+        "vpbroadcastd 8(%[w]), %%ymm10\n\t"
+        "vpbroadcastd 12(%[w]), %%ymm11\n\t"
+        "vpmaddubsw %%ymm10, %%ymm8, %%ymm14\n\t"
+        "vpaddw %%ymm14, %%ymm4, %%ymm4\n\t"
+        "vpmaddubsw %%ymm10, %%ymm9, %%ymm15\n\t"
+        "vpaddw %%ymm15, %%ymm5, %%ymm5\n\t"
+        "vpmaddubsw %%ymm11, %%ymm8, %%ymm14\n\t"
+        "vpaddw %%ymm14, %%ymm6, %%ymm6\n\t"
+        "vpmaddubsw %%ymm11, %%ymm9, %%ymm15\n\t"
+        "vpaddw %%ymm15, %%ymm7, %%ymm7\n\t"
+        "vpmaddwd %%ymm12, %%ymm4, %%ymm4\n\t"
+        "vpaddd %%ymm4, %%ymm0, %%ymm0\n\t"
+        "vpmaddwd %%ymm12, %%ymm5, %%ymm5\n\t"
+        "vpaddd %%ymm5, %%ymm1, %%ymm1\n\t"
+        "vpmaddwd %%ymm13, %%ymm6, %%ymm6\n\t"
+        "vpaddd %%ymm6, %%ymm2, %%ymm2\n\t"
+        "vpmaddwd %%ymm13, %%ymm7, %%ymm7\n\t"
+        "vpaddd %%ymm7, %%ymm3, %%ymm3\n\t"
+        "vmovdqa 256(%[a]), %%ymm8\n\t"
+        "vmovdqa 288(%[a]), %%ymm9\n\t"
+        "vpbroadcastd 16(%[w]), %%ymm10\n\t"
+        "vpbroadcastd 20(%[w]), %%ymm11\n\t"
+        "vpmaddubsw %%ymm10, %%ymm8, %%ymm4\n\t"
+        "vpmaddubsw %%ymm10, %%ymm9, %%ymm5\n\t"
+        "vpmaddubsw %%ymm11, %%ymm8, %%ymm6\n\t"
+        "vpmaddubsw %%ymm11, %%ymm9, %%ymm7\n\t"
+        "vmovdqa 384(%[a]), %%ymm8\n\t"
+        "vmovdqa 416(%[a]), %%ymm9\n\t"
+        "vpbroadcastd 24(%[w]), %%ymm10\n\t"
+        "vpbroadcastd 28(%[w]), %%ymm11\n\t"
+        "vpmaddubsw %%ymm10, %%ymm8, %%ymm14\n\t"
+        "vpaddw %%ymm14, %%ymm4, %%ymm4\n\t"
+        "vpmaddubsw %%ymm10, %%ymm9, %%ymm15\n\t"
+        "vpaddw %%ymm15, %%ymm5, %%ymm5\n\t"
+        "vpmaddubsw %%ymm11, %%ymm8, %%ymm14\n\t"
+        "vpaddw %%ymm14, %%ymm6, %%ymm6\n\t"
+        "vpmaddubsw %%ymm11, %%ymm9, %%ymm15\n\t"
+        "vpaddw %%ymm15, %%ymm7, %%ymm7\n\t"
+        "vpmaddwd %%ymm12, %%ymm4, %%ymm4\n\t"
+        "vpaddd %%ymm4, %%ymm0, %%ymm0\n\t"
+        "vpmaddwd %%ymm12, %%ymm5, %%ymm5\n\t"
+        "vpaddd %%ymm5, %%ymm1, %%ymm1\n\t"
+        "vpmaddwd %%ymm13, %%ymm6, %%ymm6\n\t"
+        "vpaddd %%ymm6, %%ymm2, %%ymm2\n\t"
+        "vpmaddwd %%ymm13, %%ymm7, %%ymm7\n\t"
+        "vpaddd %%ymm7, %%ymm3, %%ymm3\n\t"
+        "vpbroadcastd 8(%[sc]), %%ymm12\n\t"
+        "vpbroadcastd 12(%[sc]), %%ymm13\n\t"
+        "vmovdqa 512(%[a]), %%ymm8\n\t"
+        "vmovdqa 544(%[a]), %%ymm9\n\t"
+        "vpbroadcastd 32(%[w]), %%ymm10\n\t"
+        "vpbroadcastd 36(%[w]), %%ymm11\n\t"
+        "vpmaddubsw %%ymm10, %%ymm8, %%ymm4\n\t"
+        "vpmaddubsw %%ymm10, %%ymm9, %%ymm5\n\t"
+        "vpmaddubsw %%ymm11, %%ymm8, %%ymm6\n\t"
+        "vpmaddubsw %%ymm11, %%ymm9, %%ymm7\n\t"
+        "vmovdqa 640(%[a]), %%ymm8\n\t"
+        "vmovdqa 672(%[a]), %%ymm9\n\t"
+        "vpbroadcastd 40(%[w]), %%ymm10\n\t"
+        "vpbroadcastd 44(%[w]), %%ymm11\n\t"
+        "vpmaddubsw %%ymm10, %%ymm8, %%ymm14\n\t"
+        "vpaddw %%ymm14, %%ymm4, %%ymm4\n\t"
+        "vpmaddubsw %%ymm10, %%ymm9, %%ymm15\n\t"
+        "vpaddw %%ymm15, %%ymm5, %%ymm5\n\t"
+        "vpmaddubsw %%ymm11, %%ymm8, %%ymm14\n\t"
+        "vpaddw %%ymm14, %%ymm6, %%ymm6\n\t"
+        "vpmaddubsw %%ymm11, %%ymm9, %%ymm15\n\t"
+        "vpaddw %%ymm15, %%ymm7, %%ymm7\n\t"
+        "vpmaddwd %%ymm12, %%ymm4, %%ymm4\n\t"
+        "vpaddd %%ymm4, %%ymm0, %%ymm0\n\t"
+        "vpmaddwd %%ymm12, %%ymm5, %%ymm5\n\t"
+        "vpaddd %%ymm5, %%ymm1, %%ymm1\n\t"
+        "vpmaddwd %%ymm13, %%ymm6, %%ymm6\n\t"
+        "vpaddd %%ymm6, %%ymm2, %%ymm2\n\t"
+        "vpmaddwd %%ymm13, %%ymm7, %%ymm7\n\t"
+        "vpaddd %%ymm7, %%ymm3, %%ymm3\n\t"
+        "vmovdqa 768(%[a]), %%ymm8\n\t"
+        "vmovdqa 800(%[a]), %%ymm9\n\t"
+        "vpbroadcastd 48(%[w]), %%ymm10\n\t"
+        "vpbroadcastd 52(%[w]), %%ymm11\n\t"
+        "vpmaddubsw %%ymm10, %%ymm8, %%ymm4\n\t"
+        "vpmaddubsw %%ymm10, %%ymm9, %%ymm5\n\t"
+        "vpmaddubsw %%ymm11, %%ymm8, %%ymm6\n\t"
+        "vpmaddubsw %%ymm11, %%ymm9, %%ymm7\n\t"
+        "vmovdqa 896(%[a]), %%ymm8\n\t"
+        "vmovdqa 928(%[a]), %%ymm9\n\t"
+        "vpbroadcastd 56(%[w]), %%ymm10\n\t"
+        "vpbroadcastd 60(%[w]), %%ymm11\n\t"
+        "vpmaddubsw %%ymm10, %%ymm8, %%ymm14\n\t"
+        "vpaddw %%ymm14, %%ymm4, %%ymm4\n\t"
+        "vpmaddubsw %%ymm10, %%ymm9, %%ymm15\n\t"
+        "vpaddw %%ymm15, %%ymm5, %%ymm5\n\t"
+        "vpmaddubsw %%ymm11, %%ymm8, %%ymm14\n\t"
+        "vpaddw %%ymm14, %%ymm6, %%ymm6\n\t"
+        "vpmaddubsw %%ymm11, %%ymm9, %%ymm15\n\t"
+        "vpaddw %%ymm15, %%ymm7, %%ymm7\n\t"
+        "vpmaddwd %%ymm12, %%ymm4, %%ymm4\n\t"
+        "vpaddd %%ymm4, %%ymm0, %%ymm0\n\t"
+        "vpmaddwd %%ymm12, %%ymm5, %%ymm5\n\t"
+        "vpaddd %%ymm5, %%ymm1, %%ymm1\n\t"
+        "vpmaddwd %%ymm13, %%ymm6, %%ymm6\n\t"
+        "vpaddd %%ymm6, %%ymm2, %%ymm2\n\t"
+        "vpmaddwd %%ymm13, %%ymm7, %%ymm7\n\t"
+        "vpaddd %%ymm7, %%ymm3, %%ymm3\n\t"
+        "add $8, %[ap]\n\t"
+        "add $64, %[w]\n\t"
+        "add $16, %[sc]\n\t"
+        "dec %[n]\n\t"
+        "jnz 1b\n\t"
+        "vmovdqa %%ymm0, 0(%[isum])\n\t"
+        "vmovdqa %%ymm1, 32(%[isum])\n\t"
+        "vmovdqa %%ymm2, 64(%[isum])\n\t"
+        "vmovdqa %%ymm3, 96(%[isum])\n\t"
+        : [a] "=&r"(a), [ap] "+r"(ap), [w] "+r"(w), [sc] "+r"(sc), [n] "+r"(n)
+        : [isum] "r"(isum)
+        : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8",
+          "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+}
+
+/* Q6_K rows, two at a time, with a batch's tokens side by side (QuantX.qu): the same integer
+ * sum per (row, token, block) as rows_dots_k_typed's (see k_block_sums), in another order.
+ * Each block's codes are unpacked once, as u - 32, for all of its tokens; the activations
+ * enter as x + 128 (vpmaddubsw takes one side unsigned), and the block's sum loses
+ * 128 sum_g sc_g sum (u - 32), a constant of the row. */
+static void rows_q6k_wide(const uint8_t *row0, const uint8_t *row1, int nt, const QuantX *x,
+                          float *out0, float *out1) {
+    const int cols = x->cols, blocks = cols / QK_BLOCK, halves = (nt + 15) / 16;
+    const uint8_t *rows[2] = {row0, row1 ? row1 : row0};
+    const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                            2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    const __m256i ones = _mm256_set1_epi8(1), thirty_two = _mm256_set1_epi8(32);
+    uint8_t w[8][64] __attribute__((aligned(32)));
+    int32_t sc[16][2] __attribute__((aligned(32)));
+    __m256i isum[4] __attribute__((aligned(32)));
+    __m256 acc[2][4];
+    for (int r = 0; r < 2; r++)
+        for (int v = 0; v < 4; v++) acc[r][v] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        __m256i u[2][8];
+        int32_t off[2];
+        float d[2];
+        for (int r = 0; r < 2; r++) {
+            const uint8_t *blk = rows[r] + 210L * b;
+            KInts k;
+            k_ints(GGML_Q6_K, blk, &k);
+            d[r] = k.d;
+            __m256i o = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                u[r][j] = _mm256_sub_epi8(k_codes32(GGML_Q6_K, blk, j), thirty_two);
+                const __m256i pair = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(k.sc, _mm256_set1_epi32(j)), spread);
+                o = _mm256_add_epi32(o, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, u[r][j]), pair));
+            }
+            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(o), _mm256_extracti128_si256(o, 1));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+            off[r] = 128 * _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1)));
+            for (int g = 0; g < 16; g++) {
+                const int c = (int8_t)blk[192 + g];
+                sc[g][r] = (c & 0xFFFF) | (int32_t)((uint32_t)c << 16);
+            }
+        }
+        for (int s = 0; s < 4; s++) prefetch_rows(GGML_Q6_K, row0, row1, 256L * b + 64 * s);
+        for (int j = 0; j < 8; j++) { /* per k the two rows' 4 codes side by side */
+            const __m256i lo = _mm256_unpacklo_epi32(u[0][j], u[1][j]), hi = _mm256_unpackhi_epi32(u[0][j], u[1][j]);
+            _mm256_store_si256((__m256i *)w[j], _mm256_permute2x128_si256(lo, hi, 0x20));
+            _mm256_store_si256((__m256i *)(w[j] + 32), _mm256_permute2x128_si256(lo, hi, 0x31));
+        }
+        for (int h = 0; h < halves; h++) {
+            const uint8_t *ap[8];
+            for (int j = 0; j < 8; j++) ap[j] = x->qu + ((long)b * QK_BLOCK + 32 * k_slot(j)) * TOKEN_BLOCK + 64 * h;
+            q6k_wide_block(ap, w[0], sc[0], isum);
+            for (int r = 0; r < 2; r++)
+                for (int v = 0; v < 2; v++) {
+                    const __m256 dx = _mm256_load_ps(x->dt + (long)b * TOKEN_BLOCK + 16 * h + 8 * v);
+                    const __m256i total = _mm256_sub_epi32(isum[2 * r + v], _mm256_set1_epi32(off[r]));
+                    acc[r][2 * h + v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(_mm256_set1_ps(d[r]), dx), acc[r][2 * h + v]);
+                }
+        }
+    }
+    float lane[2][32];
+    for (int r = 0; r < 2; r++)
+        for (int v = 0; v < 2 * halves; v++) _mm256_storeu_ps(lane[r] + 8 * v, acc[r][v]);
+    for (int t = 0; t < nt; t++) {
+        out0[t] = lane[0][t];
+        if (row1) out1[t] = lane[1][t];
+    }
+}
+
 /* rows16_q4k and rows16_q4 in whole passes of 3 tokens, then the rest (2 or 1) in one. */
 #define ROWS16_PASSES(KERNEL)                                                                   \
     do {                                                                                        \
@@ -1477,7 +1847,9 @@ static inline __attribute__((always_inline)) void rows16_q4k(const int tk, const
  * product), 2 for one to three tokens (a decode step from memory ran 20% slower with the
  * registers of 4). */
 static void rows16_dots256(int type, const uint8_t *group, int nt, const QuantX *x, float *out) {
-    if (type == GGML_Q4_K) ROWS16_PASSES(rows16_q4k);
+    if (type == GGML_Q4_K && x->qt) {
+        rows16_q4k_wide(group, nt, x, out);
+    } else if (type == GGML_Q4_K) ROWS16_PASSES(rows16_q4k);
     else if (type == GGML_Q4_0) ROWS16_PASSES(ROWS16_Q4_0);
     else if (type == GGML_Q4_1) ROWS16_PASSES(ROWS16_Q4_1);
     else if (nt >= 4) rows16_q8_0(4, group, nt, x, out);
@@ -1576,7 +1948,9 @@ int infire_quant_isa(int wanted) {
 static inline void rows_dots(int type, const uint8_t *row0, const uint8_t *row1, int nt,
                              const QuantX *x, float *out0, float *out1) {
     if (!quant_isa) quant_isa = detect_quant_isa();
-    if (quant_isa == 2)
+    if (type == GGML_Q6_K && x->qu)
+        rows_q6k_wide(row0, row1, nt, x, out0, out1);
+    else if (quant_isa == 2)
         rows_dots_avx512(type, row0, row1, nt, x, out0, out1);
 #ifdef HAVE_AVXVNNI
     else if (quant_isa == 3 && vnni_form == 1)
@@ -1650,6 +2024,57 @@ static inline void store_rows(float *y, int ldy, int accumulate, const float *bi
     }
 }
 
+/* QuantX.qt (where qt is not NULL), qu (where qu is not NULL), mt and dt from nt tokens'
+ * per-256 activations (qk, dk, bsum); the lanes of tokens nt .. TOKEN_BLOCK - 1 hold zero
+ * codes. */
+static void tokens_side_by_side(const int8_t *qk, const float *dk, const int16_t *bsum, int nt,
+                                int cols, int8_t *qt, uint8_t *qu, int32_t *mt, float *dt) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    const int blocks = cols / QK_BLOCK, whole = nt / 8 * 8;
+    /* 8 tokens' 8 x 4 codes at a time, an 8 x 8 transpose of 32-bit lanes */
+    for (int t = 0; t < whole; t += 8)
+        for (int c = 0; c < cols / 4; c += 8) {
+            __m256i r[8], u[8];
+            for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i *)(qk + (long)(t + i) * cols + 4 * c));
+            for (int i = 0; i < 8; i += 2) {
+                u[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+                u[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+            }
+            for (int i = 0; i < 8; i += 4) {
+                r[i] = _mm256_unpacklo_epi64(u[i], u[i + 2]);
+                r[i + 1] = _mm256_unpackhi_epi64(u[i], u[i + 2]);
+                r[i + 2] = _mm256_unpacklo_epi64(u[i + 1], u[i + 3]);
+                r[i + 3] = _mm256_unpackhi_epi64(u[i + 1], u[i + 3]);
+            }
+            for (int j = 0; j < 8; j++) {
+                const long at = ((long)(c + j) * TOKEN_BLOCK + t) * 4;
+                const __m256i v = _mm256_permute2x128_si256(r[j % 4], r[j % 4 + 4], j < 4 ? 0x20 : 0x31);
+                if (qt) _mm256_store_si256((__m256i *)(qt + at), v);
+                if (qu) _mm256_store_si256((__m256i *)(qu + at), _mm256_xor_si256(v, flip));
+            }
+        }
+    for (int c = 0; c < cols / 4; c++)
+        for (int t = whole; t < TOKEN_BLOCK; t++) {
+            uint32_t v = 0;
+            if (t < nt) memcpy(&v, qk + (long)t * cols + 4 * c, 4);
+            const long at = ((long)c * TOKEN_BLOCK + t) * 4;
+            if (qt) memcpy(qt + at, &v, 4);
+            v ^= 0x80808080u;
+            if (qu) memcpy(qu + at, &v, 4);
+        }
+    for (int b = 0; b < blocks; b++) {
+        for (int t = 0; t < TOKEN_BLOCK; t++) {
+            const int16_t *bs = bsum + ((long)t * blocks + b) * 16;
+            dt[b * TOKEN_BLOCK + t] = t < nt ? dk[(long)t * blocks + b] : 0.0f;
+            for (int c = 0; c < 4; c++)
+                mt[(b * 4 + c) * TOKEN_BLOCK + t] =
+                    t < nt ? (int32_t)((uint32_t)(uint16_t)(bs[4 * c] + bs[4 * c + 1]) |
+                                       (uint32_t)(uint16_t)(bs[4 * c + 2] + bs[4 * c + 3]) << 16)
+                           : 0;
+        }
+    }
+}
+
 /* y[t, :rows] (+)= W x[t] (+ bias) for a QuantWeight, inside a parallel region: per block
  * of tokens each thread quantizes their activations (cheap next to the product: per 32
  * values where a legacy part needs them, per 256 where a K-quant part does), then takes
@@ -1658,6 +2083,7 @@ static inline void store_rows(float *y, int ldy, int accumulate, const float *bi
  * is Q6_K has heavier rows at its end. */
 static void quant_linear_impl(const QuantWeight *w, const float *bias, const float *x, int n,
                               int cols, float *y, int ldy, int accumulate) {
+    if (!quant_isa) quant_isa = detect_quant_isa();
     int legacy = 0, k_quant = 0;
     for (int p = 0; p < w->num_parts; p++) {
         k_quant |= is_k_quant(w->parts[p].type);
@@ -1670,7 +2096,19 @@ static void quant_linear_impl(const QuantWeight *w, const float *bias, const flo
     float scale[TOKEN_BLOCK * xs + 1], xsum[TOKEN_BLOCK * xs + 1], xblock[TOKEN_BLOCK * xb + 1];
     float dk[TOKEN_BLOCK * kb + 1];
     int16_t bsum[TOKEN_BLOCK * 16 * kb + 1];
-    const QuantX qx = {q, scale, xsum, xblock, qk, dk, bsum, cols};
+    /* tokens side by side for the parts that take them: interleaved Q4_K (rows16_q4k_wide),
+     * Q6_K (rows_q6k_wide, not where AVX512-VNNI's products serve it) */
+    int wide4 = 0, wide6 = 0;
+    for (int p = 0; p < w->num_parts; p++) {
+        wide4 |= w->parts[p].interleaved && w->parts[p].type == GGML_Q4_K;
+        wide6 |= w->parts[p].type == GGML_Q6_K && quant_isa != 2;
+    }
+    const int kt = wide4 || wide6 ? cols : 0;
+    int8_t qt[TOKEN_BLOCK * (wide4 ? kt : 0) + 32] __attribute__((aligned(32)));
+    uint8_t qu[TOKEN_BLOCK * (wide6 ? kt : 0) + 32] __attribute__((aligned(32)));
+    int32_t mt[TOKEN_BLOCK * 4 * (kt / QK_BLOCK) + 8] __attribute__((aligned(32)));
+    float dt[TOKEN_BLOCK * (kt / QK_BLOCK) + 8] __attribute__((aligned(32)));
+    QuantX qx = {q, scale, xsum, xblock, qk, dk, bsum, NULL, NULL, mt, dt, cols};
     float row_f32[cols], out[GROUP_ROWS * TOKEN_BLOCK];
     long total = 0;
     int units = 0;
@@ -1681,7 +2119,6 @@ static void quant_linear_impl(const QuantWeight *w, const float *bias, const flo
     const int threads = omp_get_num_threads(), me = omp_get_thread_num();
     const int begin = unit_at_bytes(w, total * me / threads);
     const int end = me + 1 == threads ? units : unit_at_bytes(w, total * (me + 1) / threads);
-    if (!quant_isa) quant_isa = detect_quant_isa();
     for (int t0 = 0; t0 < n; t0 += TOKEN_BLOCK) {
         int t1 = t0 + TOKEN_BLOCK < n ? t0 + TOKEN_BLOCK : n, nt = t1 - t0;
         for (int t = 0; t < nt; t++) {
@@ -1689,6 +2126,9 @@ static void quant_linear_impl(const QuantWeight *w, const float *bias, const flo
             if (legacy) quantize_x(xt, cols, q + t * qs, scale + t * xs, xsum + t * xs, xblock + t * xb);
             if (k_quant) quantize_xk(xt, cols, qk + t * kq, dk + t * kb, bsum + t * 16 * kb);
         }
+        qx.qt = wide4 && nt >= WIDE_Q4K_TOKENS ? qt : NULL;
+        qx.qu = wide6 && nt >= WIDE_Q6K_TOKENS ? qu : NULL;
+        if (qx.qt || qx.qu) tokens_side_by_side(qk, dk, bsum, nt, cols, qx.qt ? qt : NULL, qx.qu ? qu : NULL, mt, dt);
         int base = 0, first_row = 0;
         for (int p = 0; p < w->num_parts; p++) {
             const QuantPart *part = &w->parts[p];
