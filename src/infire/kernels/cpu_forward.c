@@ -2024,6 +2024,20 @@ static inline void store_rows(float *y, int ldy, int accumulate, const float *bi
     }
 }
 
+/* The rows of a window of 16 (rows row .. row + 15 of y) that `filled` marks, from out[t * 16
+ * + i]: a whole window as store_group does (a token's 16 rows in two vectors; row by row,
+ * the outputs of 32 tokens lie 4 KiB multiples apart, one L1 set), a part of one (a
+ * thread's share starts or ends inside it, a part's rows end) row by row. */
+static inline void flush_window(float *y, int ldy, int accumulate, const float *bias, int row,
+                                unsigned filled, int t0, int nt, const float *out) {
+    if (filled == 0xFFFFu) {
+        store_group(y, ldy, accumulate, bias, row, t0, nt, out);
+        return;
+    }
+    for (int i = 0; i < GROUP_ROWS; i++)
+        if (filled >> i & 1) store_rows(y, ldy, accumulate, bias, row + i, 1, t0, nt, out + i, GROUP_ROWS);
+}
+
 /* QuantX.qt (where qt is not NULL), qu (where qu is not NULL), mt and dt from nt tokens'
  * per-256 activations (qk, dk, bsum); the lanes of tokens nt .. TOKEN_BLOCK - 1 hold zero
  * codes. */
@@ -2109,7 +2123,7 @@ static void quant_linear_impl(const QuantWeight *w, const float *bias, const flo
     int32_t mt[TOKEN_BLOCK * 4 * (kt / QK_BLOCK) + 8] __attribute__((aligned(32)));
     float dt[TOKEN_BLOCK * (kt / QK_BLOCK) + 8] __attribute__((aligned(32)));
     QuantX qx = {q, scale, xsum, xblock, qk, dk, bsum, NULL, NULL, mt, dt, cols};
-    float row_f32[cols], out[GROUP_ROWS * TOKEN_BLOCK];
+    float row_f32[cols], out[GROUP_ROWS * TOKEN_BLOCK], stage[GROUP_ROWS * TOKEN_BLOCK];
     long total = 0;
     int units = 0;
     for (int p = 0; p < w->num_parts; p++) {
@@ -2129,7 +2143,8 @@ static void quant_linear_impl(const QuantWeight *w, const float *bias, const flo
         qx.qt = wide4 && nt >= WIDE_Q4K_TOKENS ? qt : NULL;
         qx.qu = wide6 && nt >= WIDE_Q6K_TOKENS ? qu : NULL;
         if (qx.qt || qx.qu) tokens_side_by_side(qk, dk, bsum, nt, cols, qx.qt ? qt : NULL, qx.qu ? qu : NULL, mt, dt);
-        int base = 0, first_row = 0;
+        int base = 0, first_row = 0, window = -GROUP_ROWS;
+        unsigned filled = 0;
         for (int p = 0; p < w->num_parts; p++) {
             const QuantPart *part = &w->parts[p];
             const int lo = begin - base > 0 ? begin - base : 0;
@@ -2158,11 +2173,21 @@ static void quant_linear_impl(const QuantWeight *w, const float *bias, const flo
                         rows_dots(part->type, quant_row(part, r0 + r),
                                   two ? quant_row(part, r0 + r + 1) : NULL, nt, &qx, out,
                                   out + TOKEN_BLOCK);
+                    /* into the window of 16 rows, stored a whole window at a time */
+                    const int row = r0 + r, at = row % GROUP_ROWS;
+                    if (row - at != window) {
+                        flush_window(y, ldy, accumulate, bias, first_row + window, filled, t0, nt, stage);
+                        window = row - at;
+                        filled = 0;
+                    }
                     for (int k = 0; k <= two; k++)
-                        store_rows(y, ldy, accumulate, bias, first_row + r0 + r + k, 1, t0, nt,
-                                   out + k * TOKEN_BLOCK, 1);
+                        for (int t = 0; t < nt; t++) stage[t * GROUP_ROWS + at + k] = out[k * TOKEN_BLOCK + t];
+                    filled |= (two ? 3u : 1u) << at;
                 }
             }
+            flush_window(y, ldy, accumulate, bias, first_row + window, filled, t0, nt, stage);
+            window = -GROUP_ROWS;
+            filled = 0;
             base += part_units(part);
             first_row += part->rows;
         }
