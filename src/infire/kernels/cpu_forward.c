@@ -1775,6 +1775,7 @@ static void rows_q6k_wide(const uint8_t *row0, const uint8_t *row1, int nt, cons
     const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
                                             2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
     const __m256i ones = _mm256_set1_epi8(1), thirty_two = _mm256_set1_epi8(32);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
     uint8_t w[8][64] __attribute__((aligned(32)));
     int32_t sc[16][2] __attribute__((aligned(32)));
     __m256i isum[4] __attribute__((aligned(32)));
@@ -1785,24 +1786,44 @@ static void rows_q6k_wide(const uint8_t *row0, const uint8_t *row1, int nt, cons
         __m256i u[2][8];
         int32_t off[2];
         float d[2];
+        __m256i pairs[2][2];
         for (int r = 0; r < 2; r++) {
             const uint8_t *blk = rows[r] + 210L * b;
-            KInts k;
-            k_ints(GGML_Q6_K, blk, &k);
-            d[r] = k.d;
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+            d[r] = half(blk + 208);
+            /* codes as k_codes32 makes them: per half hh of the block, 2 x 32 bytes of low
+             * nibbles and 32 of top 2 bits make its 4 sub-blocks */
             __m256i o = _mm256_setzero_si256();
-            for (int j = 0; j < 8; j++) {
-                u[r][j] = _mm256_sub_epi8(k_codes32(GGML_Q6_K, blk, j), thirty_two);
-                const __m256i pair = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(k.sc, _mm256_set1_epi32(j)), spread);
-                o = _mm256_add_epi32(o, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, u[r][j]), pair));
+            for (int hh = 0; hh < 2; hh++) {
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * hh));
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * hh + 32));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * hh));
+                const __m256i top[4] = {_mm256_and_si256(_mm256_slli_epi16(qh, 4), top2),
+                                        _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2),
+                                        _mm256_and_si256(qh, top2),
+                                        _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2)};
+                const __m256i low[4] = {_mm256_and_si256(l0, low4), _mm256_and_si256(l1, low4),
+                                        _mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                                        _mm256_and_si256(_mm256_srli_epi16(l1, 4), low4)};
+                for (int k = 0; k < 4; k++) {
+                    const int j = 4 * hh + k;
+                    u[r][j] = _mm256_sub_epi8(_mm256_or_si256(low[k], top[k]), thirty_two);
+                    const __m256i pair = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(j)), spread);
+                    o = _mm256_add_epi32(o, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, u[r][j]), pair));
+                }
             }
             __m128i h = _mm_add_epi32(_mm256_castsi256_si128(o), _mm256_extracti128_si256(o, 1));
             h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
             off[r] = 128 * _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1)));
-            for (int g = 0; g < 16; g++) {
-                const int c = (int8_t)blk[192 + g];
-                sc[g][r] = (c & 0xFFFF) | (int32_t)((uint32_t)c << 16);
-            }
+            /* each 16 values' scale as a 16-bit pair: groups 0-3, 8-11 and 4-7, 12-15 */
+            pairs[r][0] = _mm256_unpacklo_epi16(sc16, sc16);
+            pairs[r][1] = _mm256_unpackhi_epi16(sc16, sc16);
+        }
+        for (int i = 0; i < 2; i++) { /* sc[g] = the two rows' pairs for group g */
+            const __m256i lo = _mm256_unpacklo_epi32(pairs[0][i], pairs[1][i]);
+            const __m256i hi = _mm256_unpackhi_epi32(pairs[0][i], pairs[1][i]);
+            _mm256_store_si256((__m256i *)sc[4 * i], _mm256_permute2x128_si256(lo, hi, 0x20));
+            _mm256_store_si256((__m256i *)sc[4 * i + 8], _mm256_permute2x128_si256(lo, hi, 0x31));
         }
         for (int s = 0; s < 4; s++) prefetch_rows(GGML_Q6_K, row0, row1, 256L * b + 64 * s);
         for (int j = 0; j < 8; j++) { /* per k the two rows' 4 codes side by side */
