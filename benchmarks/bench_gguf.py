@@ -43,6 +43,7 @@ Results go to benchmarks/results/gguf.json and docs/benchmarks-gguf.png.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import statistics
@@ -267,12 +268,13 @@ def read_bandwidth() -> float:
 def int8_peaks() -> dict[str, float]:
     """Int8 products a second (2 ops each) of each instruction mix in int8_peak.c, on
     THREADS threads: "isa" (the instruction set's cheapest products), "k_quant" and
-    "legacy" (llama.cpp's arithmetic), in AVX512-VNNI where the CPU has it, else AVX2."""
+    "legacy" (llama.cpp's arithmetic), in AVX512-VNNI where the CPU has it, else AVX2; and
+    there the inner loops of infire's batch kernels for Q4_K and Q6_K (kernel_loops.c)."""
     import ctypes
 
     import torch
 
-    from infire.kernels.cpu_forward import quant_isa
+    from infire.kernels.cpu_forward import CFLAGS, SOURCE, quant_isa
     from infire.native import compile_library
 
     torch.set_num_threads(THREADS)
@@ -280,17 +282,21 @@ def int8_peaks() -> dict[str, float]:
                           ("-O2", "-fopenmp", "-shared", "-fPIC"))  # fmt: skip
     if isinstance(lib, str):
         raise RuntimeError(lib)
-    if quant_isa() == "avx512-vnni":
-        loops = {"isa": "dpbusd", "k_quant": "k_quant", "legacy": "legacy"}
-    else:  # and the inner loops of the AVX2 Q4_K group and Q6_K row kernels
-        loops = {"isa": "maddubs2", "k_quant": "k_quant2", "legacy": "legacy2",
-                 "q4k_inner_t2": "q4k_groups2_t2", "q4k_inner_t3": "q4k_groups2_t3",
-                 "q6k_inner": "q6k_rows2"}  # fmt: skip
+    runs = {"isa": "dpbusd", "k_quant": "k_quant", "legacy": "legacy"}
+    if quant_isa() != "avx512-vnni":  # and the inner loops of infire's AVX2 batch kernels
+        runs = {"isa": "maddubs2", "k_quant": "k_quant2", "legacy": "legacy2"}
+        kernel = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]  # it includes the kernel
+        loops = compile_library(Path(__file__).with_name("kernel_loops.c"),
+                                (*CFLAGS, f"-DKERNEL_SOURCE={kernel}"))  # fmt: skip
+        if isinstance(loops, str):
+            raise RuntimeError(loops)
+    calls = {mix: getattr(lib, f"peak_{name}") for mix, name in runs.items()}
+    if quant_isa() != "avx512-vnni":
+        calls.update(q4k_inner=loops.loop_q4k_wide, q6k_inner=loops.loop_q6k_wide)
     peaks = {}
-    for mix, loop in loops.items():
-        run = getattr(lib, f"peak_{loop}")
+    for mix, run in calls.items():
         run.restype, run.argtypes = ctypes.c_long, [ctypes.c_long]
-        iters = 2_000_000 if loop.startswith("q4k") else 20_000_000  # 16x the products
+        iters = {"q4k_inner": 2_000_000, "q6k_inner": 500_000}.get(mix, 20_000_000)
         run(iters // 20)
         best = 0.0
         for _ in range(3):
@@ -364,10 +370,9 @@ def batch_ops(weights: object, sizes: dict) -> dict[int, float]:
 
 
 def inner_ceiling(ops: dict[int, float], peaks: dict[str, float]) -> float | None:
-    """Seconds of the ops at the rates of infire's AVX2 kernels' inner loops (Q4_K's at 2
-    tokens a pass, its best; Q6_K's), or None where a type has no such loop here."""
-    rates = {12: max(peaks.get("q4k_inner_t2", 0), peaks.get("q4k_inner_t3", 0)),
-             14: peaks.get("q6k_inner", 0)}  # fmt: skip
+    """Seconds of the ops at the rates of infire's AVX2 batch kernels' inner loops (Q4_K's
+    and Q6_K's), or None where a type has no such loop here."""
+    rates = {12: peaks.get("q4k_inner", 0), 14: peaks.get("q6k_inner", 0)}
     if any(not rates.get(kind) for kind in ops):
         return None
     return sum(n / rates[kind] for kind, n in ops.items())
@@ -425,7 +430,7 @@ def main() -> None:
             "peak_tok_s": outputs / (ops / peaks[mix]),
             "isa_tok_s": outputs / (ops / peaks["isa"]),
             "inner_tok_s": outputs / inner if inner else None,
-            "kernel_gops": kernel_rate(kind, SHAPE["hidden"]) / 1e9,
+            "kernel_gops": {str(k): kernel_rate(k, SHAPE["hidden"]) / 1e9 for k in by_type},
         }  # fmt: skip
     # the machine's bandwidth and llama.cpp's own speed drift over minutes: every engine
     # runs once a round, in alternating order, and each measure is a median over rounds
@@ -461,8 +466,8 @@ def main() -> None:
         print(f"{label}: infire / llama.cpp decode per round: {', '.join(decode)}")
         print(f"{label}: batch-32 {c['batch_ops'] / 1e12:.2f} Tops; at the {c['mix']} peak "
               f"<= {c['peak_tok_s']:.0f} tok/s, at the instruction set's peak <= "
-              f"{c['isa_tok_s']:.0f} (3x llama.cpp: {needed:.0f}); infire's kernel "
-              f"{c['kernel_gops']:.0f} GOP/s in cache")  # fmt: skip
+              f"{c['isa_tok_s']:.0f} (3x llama.cpp: {needed:.0f}); infire's kernels in "
+              f"cache: " + ", ".join(f"type {k} {v:.0f} GOP/s" for k, v in c["kernel_gops"].items()))  # fmt: skip
         if c["inner_tok_s"]:
             split = ", ".join(f"type {k} {v / 1e12:.2f} T" for k, v in c["ops_by_type"].items())
             print(f"{label}: ({split}) at infire's kernels' inner loops alone <= "

@@ -15,18 +15,7 @@
  *             Q4_K/Q5_K/Q6_K);
  *   legacy2:  vpmaddubsw, vpmaddwd by ones, the sums to float, the product of the scales,
  *             a fused multiply-add, and one for the offset (llama.cpp's AVX2 Q4_1).
- * And the inner loops of infire's own AVX2 K-quant kernels (cpu_forward.c), in registers
- * and L1 with nothing around them (no scales, mins, block sums or weight traffic): what
- * those kernels could reach if everything outside their inner loop were free:
- *   q4k_groups2_t2, _t3: rows16_q4k's loop over a group's 4-bit codes, 2 or 3 tokens a
- *             pass (the kernel runs 3): per 32 bytes of codes (4 values of 16 rows) the
- *             nibbles split once (vpand, vpsrlw + vpand), then per token a broadcast of
- *             its 4 activations (loaded) and 2 vpmaddubsw + 2 vpaddw;
- *   q6k_rows2: rows_dots_k_typed's loop for Q6_K, at its best (a sub-block's 32 codes and
- *             their scales in registers): per token the 32 activations loaded, vpmaddubsw,
- *             vpmaddwd by the scales, vpaddd. Q6_K's codes (0..63) make pair sums up to
- *             16002 and each 16 values have their own scale: every vpmaddubsw needs its
- *             vpmaddwd (Q4_K's sum 8 in 16 bits first).
+ * (The inner loops of infire's own kernels: benchmarks/kernel_loops.c.)
  * Each returns the multiply-adds it did (summed over the OpenMP threads).
  */
 #include <immintrin.h>
@@ -164,67 +153,6 @@ AVX2 long peak_legacy2(long iters) {
         off[0] = _mm_add_ps(off[0], off[1]);
         __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[0]), _mm256_extractf128_ps(acc[0], 1));
         sink = (int)(_mm_cvtss_f32(s4) + _mm_cvtss_f32(off[0]));
-        total = iters * CHAINS2 * 32;
-    }
-    return total;
-}
-
-static int8_t acts[64][1024] __attribute__((aligned(64)));
-
-/* rows16_q4k's inner loop, T tokens a pass (see the top of the file) */
-#define Q4K_GROUPS(T)                                                                       \
-    AVX2 long peak_q4k_groups2_t##T(long iters) {                                            \
-        long total = 0;                                                                      \
-        _Pragma("omp parallel reduction(+ : total)") {                                       \
-            const __m256i low4 = _mm256_set1_epi8(0x0F);                                     \
-            __m256i v = _mm256_set1_epi8(0x37), slo[T], shi[T];                              \
-            for (int j = 0; j < T; j++) slo[j] = shi[j] = _mm256_setzero_si256();            \
-            const int8_t *a0 = acts[8 * omp_get_thread_num()];                               \
-            for (long i = 0; i < iters; i++) {                                               \
-                __asm__ volatile("" : "+r"(a0)); /* the activations are loaded anew */       \
-                _Pragma("GCC unroll 8") for (int k = 0; k < 8; k++) {                        \
-                    VARY(v);                                                                 \
-                    const __m256i lo = _mm256_and_si256(v, low4);                            \
-                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);      \
-                    _Pragma("GCC unroll 8") for (int j = 0; j < T; j++) {                    \
-                        int32_t e;                                                           \
-                        __builtin_memcpy(&e, a0 + 128 * j + 4 * k, 4);                       \
-                        const __m256i a = _mm256_set1_epi32(e);                              \
-                        slo[j] = _mm256_add_epi16(slo[j], _mm256_maddubs_epi16(lo, a));      \
-                        shi[j] = _mm256_add_epi16(shi[j], _mm256_maddubs_epi16(hi, a));      \
-                    }                                                                        \
-                }                                                                            \
-            }                                                                                \
-            for (int j = 0; j < T; j++) slo[0] = _mm256_add_epi16(slo[0], shi[j]);           \
-            for (int j = 1; j < T; j++) slo[0] = _mm256_add_epi16(slo[0], slo[j]);           \
-            sink = _mm256_extract_epi16(slo[0], 0);                                          \
-            total = iters * 8 * T * 64;                                                      \
-        }                                                                                    \
-        return total;                                                                        \
-    }
-Q4K_GROUPS(2)
-Q4K_GROUPS(3)
-
-/* rows_dots_k_typed's inner loop for Q6_K, codes and scales in registers */
-AVX2 long peak_q6k_rows2(long iters) {
-    long total = 0;
-#pragma omp parallel reduction(+ : total)
-    {
-        __m256i u = _mm256_set1_epi8(0x27), sc = _mm256_set1_epi16(3), acc[CHAINS2];
-        for (int c = 0; c < CHAINS2; c++) acc[c] = _mm256_setzero_si256();
-        const int8_t *a0 = acts[8 * omp_get_thread_num()];
-        for (long i = 0; i < iters; i++) {
-            __asm__ volatile("" : "+r"(a0));
-#pragma GCC unroll 8
-            for (int c = 0; c < CHAINS2; c++) {
-                VARY(u);
-                VARY(sc);
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(a0 + 32 * c));
-                acc[c] = _mm256_add_epi32(acc[c], _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), sc));
-            }
-        }
-        for (int c = 1; c < CHAINS2; c++) acc[0] = _mm256_add_epi32(acc[0], acc[c]);
-        sink = _mm256_extract_epi32(acc[0], 0);
         total = iters * CHAINS2 * 32;
     }
     return total;

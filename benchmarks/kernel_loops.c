@@ -1,0 +1,59 @@
+/*
+ * The inner loops of infire's AVX2 K-quant kernels at batch 32 (cpu_forward.c, included
+ * here: the loops measured are the ones served), run alone on data in L1 with nothing
+ * around them (no unpacking of codes, no mins, no conversion to float, no weight traffic):
+ * what those kernels could reach if everything outside their inner loop were free
+ * (benchmarks/bench_gguf.py prints the batch-32 ceiling at these rates).
+ *   q4k_wide: wide_sub_block, rows16_q4k_wide's loop: a 32-value sub-block of two rows
+ *             with 32 tokens (a row's 4 codes broadcast, 4 vectors of 8 tokens' 4
+ *             activations; vpmaddubsw + vpaddw, then vpmaddwd by the scales, vpaddd);
+ *   q6k_wide: q6k_wide_block, rows_q6k_wide's loop: a 256-value block of two rows with 16
+ *             tokens (pair sums reach 16320: every two vpmaddubsw a vpmaddwd by the scale
+ *             of their 16 values).
+ * Each returns the multiply-adds it did (summed over the OpenMP threads).
+ */
+#include "../src/infire/kernels/cpu_forward.c"
+
+static uint8_t loop_acts[2][8 * 1024] __attribute__((aligned(64)));
+static uint8_t loop_codes[2][512] __attribute__((aligned(64)));
+static int32_t loop_scales[2][32] __attribute__((aligned(64)));
+static volatile int loop_sink;
+
+long loop_q4k_wide(long iters) {
+    long total = 0;
+#pragma omp parallel reduction(+ : total)
+    {
+        const int me = omp_get_thread_num() % 2;
+        __m256i isum[8] __attribute__((aligned(32)));
+        for (int v = 0; v < 8; v++) isum[v] = _mm256_setzero_si256();
+        for (int i = 0; i < 512; i++) loop_codes[me][i] = (uint8_t)(i * 5 & 15);
+        for (int i = 0; i < 32; i++) loop_scales[me][i] = 3 | 3 << 16;
+        for (long i = 0; i < iters; i++) /* the 8 sub-blocks of a block, over and over */
+            wide_sub_block((const int8_t *)loop_acts[me] + 1024 * (i & 7), loop_codes[me],
+                           loop_scales[me], isum);
+        loop_sink = _mm256_extract_epi32(isum[0], 0);
+        total = iters * 2 * 32 * 32; /* 2 rows x 32 values x 32 tokens */
+    }
+    return total;
+}
+
+long loop_q6k_wide(long iters) {
+    long total = 0;
+#pragma omp parallel reduction(+ : total)
+    {
+        const int me = omp_get_thread_num() % 2;
+        __m256i isum[4] __attribute__((aligned(32)));
+        for (int i = 0; i < 512; i++) loop_codes[me][i] = (uint8_t)((i * 5 & 63) - 32);
+        for (int i = 0; i < 32; i++) loop_scales[me][i] = 3 | 3 << 16;
+        const uint8_t *ap[8];
+        for (int j = 0; j < 8; j++) ap[j] = loop_acts[me] + 1024 * j;
+        int sum = 0;
+        for (long i = 0; i < iters; i++) {
+            q6k_wide_block(ap, loop_codes[me], loop_scales[me], isum);
+            sum += _mm256_extract_epi32(isum[i & 3], 0);
+        }
+        loop_sink = sum;
+        total = iters * 2 * 256 * 16; /* 2 rows x 256 values x 16 tokens */
+    }
+    return total;
+}
