@@ -774,18 +774,38 @@ static inline __attribute__((always_inline)) void k_ints(int type, const uint8_t
     k->dmin = half(blk + 2);
 }
 
-/* Sub-block j (values 32 j .. 32 j + 31) of a K-quant block: 32 codes. */
+/* A Q6_K block's 8 sub-blocks (values 32 j .. 32 j + 31): 32 codes (0..63) each. Per half
+ * of the block, 2 x 32 bytes of low nibbles and 32 of top 2 bits make its 4 sub-blocks. */
+static inline __attribute__((always_inline)) void q6k_codes(const uint8_t *blk, __m256i u[8]) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
+    for (int hh = 0; hh < 2; hh++) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * hh));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * hh + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * hh));
+        u[4 * hh] = _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2));
+        u[4 * hh + 1] = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2));
+        u[4 * hh + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(qh, top2));
+        u[4 * hh + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                        _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2));
+    }
+}
+
+/* Per Q6_K sub-block j, the scales of its two 16s (8-bit, sign-extended in `sc16`) as 16
+ * 16-bit lanes: sc_2j in the low 128 bits, sc_2j+1 in the high ones. */
+static inline __attribute__((always_inline)) void q6k_scale_pairs(__m256i sc16, __m256i pair[8]) {
+    const __m256i lo = _mm256_unpacklo_epi16(sc16, sc16); /* sc 0-3, 8-11 as 16-bit pairs */
+    const __m256i hi = _mm256_unpackhi_epi16(sc16, sc16); /* 4-7, 12-15 */
+    for (int j = 0; j < 8; j++) {
+        const int at = 4 * (j / 4) + 2 * (j % 2);
+        const __m256i index = _mm256_setr_epi32(at, at, at, at, at + 1, at + 1, at + 1, at + 1);
+        pair[j] = _mm256_permutevar8x32_epi32(j / 2 % 2 ? hi : lo, index);
+    }
+}
+
+/* Sub-block j (values 32 j .. 32 j + 31) of a Q4_K or Q5_K block: 32 codes. */
 static inline __attribute__((always_inline)) __m256i k_codes32(int type, const uint8_t *blk,
                                                                int j) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    if (type == GGML_Q6_K) {
-        int hh = j / 4, k = j % 4;
-        __m256i l = _mm256_loadu_si256((const __m256i *)(blk + 64 * hh + 32 * (k % 2)));
-        __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * hh));
-        l = _mm256_and_si256(_mm256_srli_epi16(l, 4 * (k / 2)), low4);
-        q = _mm256_and_si256(_mm256_srli_epi16(q, 2 * k), _mm256_set1_epi8(3));
-        return _mm256_or_si256(l, _mm256_slli_epi16(q, 4));
-    }
     int five = type == GGML_Q5_K;
     __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * five + 32 * (j / 2)));
     __m256i u = _mm256_and_si256(_mm256_srli_epi16(v, 4 * (j % 2)), low4);
@@ -804,11 +824,6 @@ static inline __attribute__((always_inline)) __m256 k_block_sums(
     if (type == GGML_Q6_K) { /* d sc (u - 32): the offset shares the scale */
         __m256i off = _mm256_madd_epi16(bsum, k->sc);
         dots = _mm256_sub_epi32(dots, _mm256_slli_epi32(off, 5));
-        /* the block's whole integer sum in lane 0 (the others zero), as rows_q6k_wide sums it */
-        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(dots), _mm256_extracti128_si256(dots, 1));
-        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
-        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
-        dots = _mm256_zextsi128_si256(_mm_cvtsi32_si128(_mm_cvtsi128_si32(h)));
     }
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(k->d * dx), acc);
     if (type == GGML_Q6_K) return acc;
@@ -887,8 +902,11 @@ static inline __attribute__((always_inline)) void rows_dots_k_typed(
     const long k_bytes = value_offset(type, QK_BLOCK);
     const uint8_t *rows[2] = {row0, row1};
     __m256 acc[2][TOKEN_BLOCK];
-    for (int r = 0; r < 2; r++)
-        for (int t = 0; t < nt; t++) acc[r][t] = _mm256_setzero_ps();
+    __m128 whole[TOKEN_BLOCK]; /* Q6_K: rows 0 and 1 in lanes 0 and 1 */
+    for (int t = 0; t < nt; t++) {
+        acc[0][t] = acc[1][t] = _mm256_setzero_ps();
+        whole[t] = _mm_setzero_ps();
+    }
     for (int b = 0; b < blocks; b++) {
         KInts k[2];
         __m256i u[2][8], sc[2][8];
@@ -898,6 +916,11 @@ static inline __attribute__((always_inline)) void rows_dots_k_typed(
             /* sub-block j's groups 2 j and 2 j + 1: 32 bits of sc, spread over the halves */
             const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
                                                     2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+            if (type == GGML_Q6_K) {
+                q6k_codes(blk, u[r]);
+                q6k_scale_pairs(k[r].sc, sc[r]);
+                continue;
+            }
             for (int j = 0; j < 8; j++) {
                 u[r][j] = k_codes32(type, blk, j);
                 __m256i pair = _mm256_permutevar8x32_epi32(k[r].sc, _mm256_set1_epi32(j));
@@ -909,15 +932,32 @@ static inline __attribute__((always_inline)) void rows_dots_k_typed(
             const int8_t *q = x->qk + (long)t * cols + QK_BLOCK * b;
             __m256i bsum = _mm256_loadu_si256((const __m256i *)(x->bsum + (long)t * (cols / 16) + 16 * b));
             const float dx = x->dk[(long)t * blocks + b];
+            __m256i dots[2];
             for (int r = 0; r < nr; r++) {
-                __m256i dots = _mm256_setzero_si256();
+                dots[r] = _mm256_setzero_si256();
                 for (int j = 0; j < 8; j++) {
                     __m256i xq = _mm256_loadu_si256((const __m256i *)(q + 32 * k_slot(j)));
-                    dots = dot_s16(dots, _mm256_maddubs_epi16(u[r][j], xq), sc[r][j], vnni);
+                    dots[r] = dot_s16(dots[r], _mm256_maddubs_epi16(u[r][j], xq), sc[r][j], vnni);
                 }
-                acc[r][t] = k_block_sums(type, &k[r], dots, bsum, dx, acc[r][t]);
+                if (type != GGML_Q6_K) acc[r][t] = k_block_sums(type, &k[r], dots[r], bsum, dx, acc[r][t]);
+            }
+            if (type == GGML_Q6_K) { /* the block's whole integer sums, as rows_q6k_wide's */
+                for (int r = 0; r < nr; r++)
+                    dots[r] = _mm256_sub_epi32(dots[r], _mm256_slli_epi32(_mm256_madd_epi16(bsum, k[r].sc), 5));
+                const __m256i h = _mm256_hadd_epi32(dots[0], dots[nr - 1]);
+                __m128i total = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+                total = _mm_hadd_epi32(total, total); /* row 0's, row 1's, again */
+                const __m128 scale = _mm_setr_ps(k[0].d * dx, k[nr - 1].d * dx, 0.0f, 0.0f);
+                whole[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(total), scale, whole[t]);
             }
         }
+    }
+    if (type == GGML_Q6_K) {
+        for (int t = 0; t < nt; t++) {
+            out0[t] = _mm_cvtss_f32(whole[t]);
+            if (nr == 2) out1[t] = _mm_cvtss_f32(_mm_shuffle_ps(whole[t], whole[t], 1));
+        }
+        return;
     }
     for (int t = 0; t < nt; t++) hsum_rows(nr, acc[0][t], acc[1][t], out0 + t, out1 + t);
 }
@@ -1764,7 +1804,7 @@ static inline __attribute__((always_inline)) void q6k_wide_block(const uint8_t *
 }
 
 /* Q6_K rows, two at a time, with a batch's tokens side by side (QuantX.qu): the same integer
- * sum per (row, token, block) as rows_dots_k_typed's (see k_block_sums), in another order.
+ * sum per (row, token, block) as rows_dots_k_typed's one-token form, in another order.
  * Each block's codes are unpacked once, as u - 32, for all of its tokens; the activations
  * enter as x + 128 (vpmaddubsw takes one side unsigned), and the block's sum loses
  * 128 sum_g sc_g sum (u - 32), a constant of the row. */
@@ -1772,10 +1812,7 @@ static void rows_q6k_wide(const uint8_t *row0, const uint8_t *row1, int nt, cons
                           float *out0, float *out1) {
     const int cols = x->cols, blocks = cols / QK_BLOCK, halves = (nt + 15) / 16;
     const uint8_t *rows[2] = {row0, row1 ? row1 : row0};
-    const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                            2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
     const __m256i ones = _mm256_set1_epi8(1), thirty_two = _mm256_set1_epi8(32);
-    const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
     uint8_t w[8][64] __attribute__((aligned(32)));
     int32_t sc[16][2] __attribute__((aligned(32)));
     __m256i isum[4] __attribute__((aligned(32)));
@@ -1791,26 +1828,13 @@ static void rows_q6k_wide(const uint8_t *row0, const uint8_t *row1, int nt, cons
             const uint8_t *blk = rows[r] + 210L * b;
             const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
             d[r] = half(blk + 208);
-            /* codes as k_codes32 makes them: per half hh of the block, 2 x 32 bytes of low
-             * nibbles and 32 of top 2 bits make its 4 sub-blocks */
             __m256i o = _mm256_setzero_si256();
-            for (int hh = 0; hh < 2; hh++) {
-                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * hh));
-                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * hh + 32));
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * hh));
-                const __m256i top[4] = {_mm256_and_si256(_mm256_slli_epi16(qh, 4), top2),
-                                        _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2),
-                                        _mm256_and_si256(qh, top2),
-                                        _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2)};
-                const __m256i low[4] = {_mm256_and_si256(l0, low4), _mm256_and_si256(l1, low4),
-                                        _mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
-                                        _mm256_and_si256(_mm256_srli_epi16(l1, 4), low4)};
-                for (int k = 0; k < 4; k++) {
-                    const int j = 4 * hh + k;
-                    u[r][j] = _mm256_sub_epi8(_mm256_or_si256(low[k], top[k]), thirty_two);
-                    const __m256i pair = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(j)), spread);
-                    o = _mm256_add_epi32(o, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, u[r][j]), pair));
-                }
+            __m256i pair[8];
+            q6k_codes(blk, u[r]);
+            q6k_scale_pairs(sc16, pair);
+            for (int j = 0; j < 8; j++) {
+                u[r][j] = _mm256_sub_epi8(u[r][j], thirty_two);
+                o = _mm256_add_epi32(o, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, u[r][j]), pair[j]));
             }
             __m128i h = _mm_add_epi32(_mm256_castsi256_si128(o), _mm256_extracti128_si256(o, 1));
             h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
