@@ -1663,6 +1663,26 @@ static inline __attribute__((always_inline)) void rows16_q4k_wide(const uint8_t 
 static inline __attribute__((always_inline)) void q6k_wide_block(const uint8_t *const *ap,
                                                                  const uint8_t *w, const int32_t *sc,
                                                                  __m256i *isum) {
+/* codes 4 k .. 4 k + 3 of the sub-block (activations at A, the two rows' codes at W) */
+#define Q6_LOAD(A, W)                                                                         \
+    "vmovdqa " A "(%[a]), %%ymm8\n\t"                                                          \
+    "vmovdqa " A "+32(%[a]), %%ymm9\n\t"                                                       \
+    "vpbroadcastd " W "(%[w]), %%ymm10\n\t"                                                    \
+    "vpbroadcastd " W "+4(%[w]), %%ymm11\n\t"
+#define Q6_PRODUCT(W, X, P) "vpmaddubsw %%ymm" W ", %%ymm" X ", %%ymm" P "\n\t"
+#define Q6_ADD(W, X, T, P) Q6_PRODUCT(W, X, T) "vpaddw %%ymm" T ", %%ymm" P ", %%ymm" P "\n\t"
+#define Q6_SCALE(S, P, I) "vpmaddwd %%ymm" S ", %%ymm" P ", %%ymm" P "\n\t" "vpaddd %%ymm" P ", %%ymm" I ", %%ymm" I "\n\t"
+/* two steps of 4 codes: their products in 16 bits (ymm4-7), then times the scales (ymm12,
+ * 13) into the sums (ymm0-3) */
+#define Q6_PAIR(A0, W0, A1, W1)                                                               \
+    Q6_LOAD(A0, W0)                                                                           \
+    Q6_PRODUCT("10", "8", "4") Q6_PRODUCT("10", "9", "5")                                     \
+    Q6_PRODUCT("11", "8", "6") Q6_PRODUCT("11", "9", "7")                                     \
+    Q6_LOAD(A1, W1)                                                                           \
+    Q6_ADD("10", "8", "14", "4") Q6_ADD("10", "9", "15", "5")                                 \
+    Q6_ADD("11", "8", "14", "6") Q6_ADD("11", "9", "15", "7")                                 \
+    Q6_SCALE("12", "4", "0") Q6_SCALE("12", "5", "1")                                         \
+    Q6_SCALE("13", "6", "2") Q6_SCALE("13", "7", "3")
     long n = 8;
     const uint8_t *a;
     __asm__ volatile(
@@ -1672,122 +1692,12 @@ static inline __attribute__((always_inline)) void q6k_wide_block(const uint8_t *
         "vpxor %%xmm3, %%xmm3, %%xmm3\n\t"
         "1:\n\t"
         "mov (%[ap]), %[a]\n\t"
-        "vpbroadcastd 0(%[sc]), %%ymm12\n\t"
+        "vpbroadcastd (%[sc]), %%ymm12\n\t" /* the sub-block's first 16 values' scales */
         "vpbroadcastd 4(%[sc]), %%ymm13\n\t"
-        "vmovdqa 0(%[a]), %%ymm8\n\t"
-        "vmovdqa 32(%[a]), %%ymm9\n\t"
-        "vpbroadcastd 0(%[w]), %%ymm10\n\t"
-        "vpbroadcastd 4(%[w]), %%ymm11\n\t"
-        "vpmaddubsw %%ymm10, %%ymm8, %%ymm4\n\t"
-        "vpmaddubsw %%ymm10, %%ymm9, %%ymm5\n\t"
-        "vpmaddubsw %%ymm11, %%ymm8, %%ymm6\n\t"
-        "vpmaddubsw %%ymm11, %%ymm9, %%ymm7\n\t"
-        "vmovdqa 128(%[a]), %%ymm8\n\t"
-        "vmovdqa 160(%[a]), %%ymm9\n\t"
-        "vpbroadcastd 8(%[w]), %%ymm10\n\t"
-        "vpbroadcastd 12(%[w]), %%ymm11\n\t"
-        "vpmaddubsw %%ymm10, %%ymm8, %%ymm14\n\t"
-        "vpaddw %%ymm14, %%ymm4, %%ymm4\n\t"
-        "vpmaddubsw %%ymm10, %%ymm9, %%ymm15\n\t"
-        "vpaddw %%ymm15, %%ymm5, %%ymm5\n\t"
-        "vpmaddubsw %%ymm11, %%ymm8, %%ymm14\n\t"
-        "vpaddw %%ymm14, %%ymm6, %%ymm6\n\t"
-        "vpmaddubsw %%ymm11, %%ymm9, %%ymm15\n\t"
-        "vpaddw %%ymm15, %%ymm7, %%ymm7\n\t"
-        "vpmaddwd %%ymm12, %%ymm4, %%ymm4\n\t"
-        "vpaddd %%ymm4, %%ymm0, %%ymm0\n\t"
-        "vpmaddwd %%ymm12, %%ymm5, %%ymm5\n\t"
-        "vpaddd %%ymm5, %%ymm1, %%ymm1\n\t"
-        "vpmaddwd %%ymm13, %%ymm6, %%ymm6\n\t"
-        "vpaddd %%ymm6, %%ymm2, %%ymm2\n\t"
-        "vpmaddwd %%ymm13, %%ymm7, %%ymm7\n\t"
-        "vpaddd %%ymm7, %%ymm3, %%ymm3\n\t"
-        "vmovdqa 256(%[a]), %%ymm8\n\t"
-        "vmovdqa 288(%[a]), %%ymm9\n\t"
-        "vpbroadcastd 16(%[w]), %%ymm10\n\t"
-        "vpbroadcastd 20(%[w]), %%ymm11\n\t"
-        "vpmaddubsw %%ymm10, %%ymm8, %%ymm4\n\t"
-        "vpmaddubsw %%ymm10, %%ymm9, %%ymm5\n\t"
-        "vpmaddubsw %%ymm11, %%ymm8, %%ymm6\n\t"
-        "vpmaddubsw %%ymm11, %%ymm9, %%ymm7\n\t"
-        "vmovdqa 384(%[a]), %%ymm8\n\t"
-        "vmovdqa 416(%[a]), %%ymm9\n\t"
-        "vpbroadcastd 24(%[w]), %%ymm10\n\t"
-        "vpbroadcastd 28(%[w]), %%ymm11\n\t"
-        "vpmaddubsw %%ymm10, %%ymm8, %%ymm14\n\t"
-        "vpaddw %%ymm14, %%ymm4, %%ymm4\n\t"
-        "vpmaddubsw %%ymm10, %%ymm9, %%ymm15\n\t"
-        "vpaddw %%ymm15, %%ymm5, %%ymm5\n\t"
-        "vpmaddubsw %%ymm11, %%ymm8, %%ymm14\n\t"
-        "vpaddw %%ymm14, %%ymm6, %%ymm6\n\t"
-        "vpmaddubsw %%ymm11, %%ymm9, %%ymm15\n\t"
-        "vpaddw %%ymm15, %%ymm7, %%ymm7\n\t"
-        "vpmaddwd %%ymm12, %%ymm4, %%ymm4\n\t"
-        "vpaddd %%ymm4, %%ymm0, %%ymm0\n\t"
-        "vpmaddwd %%ymm12, %%ymm5, %%ymm5\n\t"
-        "vpaddd %%ymm5, %%ymm1, %%ymm1\n\t"
-        "vpmaddwd %%ymm13, %%ymm6, %%ymm6\n\t"
-        "vpaddd %%ymm6, %%ymm2, %%ymm2\n\t"
-        "vpmaddwd %%ymm13, %%ymm7, %%ymm7\n\t"
-        "vpaddd %%ymm7, %%ymm3, %%ymm3\n\t"
-        "vpbroadcastd 8(%[sc]), %%ymm12\n\t"
+        Q6_PAIR("0", "0", "128", "8") Q6_PAIR("256", "16", "384", "24")
+        "vpbroadcastd 8(%[sc]), %%ymm12\n\t" /* its second 16's */
         "vpbroadcastd 12(%[sc]), %%ymm13\n\t"
-        "vmovdqa 512(%[a]), %%ymm8\n\t"
-        "vmovdqa 544(%[a]), %%ymm9\n\t"
-        "vpbroadcastd 32(%[w]), %%ymm10\n\t"
-        "vpbroadcastd 36(%[w]), %%ymm11\n\t"
-        "vpmaddubsw %%ymm10, %%ymm8, %%ymm4\n\t"
-        "vpmaddubsw %%ymm10, %%ymm9, %%ymm5\n\t"
-        "vpmaddubsw %%ymm11, %%ymm8, %%ymm6\n\t"
-        "vpmaddubsw %%ymm11, %%ymm9, %%ymm7\n\t"
-        "vmovdqa 640(%[a]), %%ymm8\n\t"
-        "vmovdqa 672(%[a]), %%ymm9\n\t"
-        "vpbroadcastd 40(%[w]), %%ymm10\n\t"
-        "vpbroadcastd 44(%[w]), %%ymm11\n\t"
-        "vpmaddubsw %%ymm10, %%ymm8, %%ymm14\n\t"
-        "vpaddw %%ymm14, %%ymm4, %%ymm4\n\t"
-        "vpmaddubsw %%ymm10, %%ymm9, %%ymm15\n\t"
-        "vpaddw %%ymm15, %%ymm5, %%ymm5\n\t"
-        "vpmaddubsw %%ymm11, %%ymm8, %%ymm14\n\t"
-        "vpaddw %%ymm14, %%ymm6, %%ymm6\n\t"
-        "vpmaddubsw %%ymm11, %%ymm9, %%ymm15\n\t"
-        "vpaddw %%ymm15, %%ymm7, %%ymm7\n\t"
-        "vpmaddwd %%ymm12, %%ymm4, %%ymm4\n\t"
-        "vpaddd %%ymm4, %%ymm0, %%ymm0\n\t"
-        "vpmaddwd %%ymm12, %%ymm5, %%ymm5\n\t"
-        "vpaddd %%ymm5, %%ymm1, %%ymm1\n\t"
-        "vpmaddwd %%ymm13, %%ymm6, %%ymm6\n\t"
-        "vpaddd %%ymm6, %%ymm2, %%ymm2\n\t"
-        "vpmaddwd %%ymm13, %%ymm7, %%ymm7\n\t"
-        "vpaddd %%ymm7, %%ymm3, %%ymm3\n\t"
-        "vmovdqa 768(%[a]), %%ymm8\n\t"
-        "vmovdqa 800(%[a]), %%ymm9\n\t"
-        "vpbroadcastd 48(%[w]), %%ymm10\n\t"
-        "vpbroadcastd 52(%[w]), %%ymm11\n\t"
-        "vpmaddubsw %%ymm10, %%ymm8, %%ymm4\n\t"
-        "vpmaddubsw %%ymm10, %%ymm9, %%ymm5\n\t"
-        "vpmaddubsw %%ymm11, %%ymm8, %%ymm6\n\t"
-        "vpmaddubsw %%ymm11, %%ymm9, %%ymm7\n\t"
-        "vmovdqa 896(%[a]), %%ymm8\n\t"
-        "vmovdqa 928(%[a]), %%ymm9\n\t"
-        "vpbroadcastd 56(%[w]), %%ymm10\n\t"
-        "vpbroadcastd 60(%[w]), %%ymm11\n\t"
-        "vpmaddubsw %%ymm10, %%ymm8, %%ymm14\n\t"
-        "vpaddw %%ymm14, %%ymm4, %%ymm4\n\t"
-        "vpmaddubsw %%ymm10, %%ymm9, %%ymm15\n\t"
-        "vpaddw %%ymm15, %%ymm5, %%ymm5\n\t"
-        "vpmaddubsw %%ymm11, %%ymm8, %%ymm14\n\t"
-        "vpaddw %%ymm14, %%ymm6, %%ymm6\n\t"
-        "vpmaddubsw %%ymm11, %%ymm9, %%ymm15\n\t"
-        "vpaddw %%ymm15, %%ymm7, %%ymm7\n\t"
-        "vpmaddwd %%ymm12, %%ymm4, %%ymm4\n\t"
-        "vpaddd %%ymm4, %%ymm0, %%ymm0\n\t"
-        "vpmaddwd %%ymm12, %%ymm5, %%ymm5\n\t"
-        "vpaddd %%ymm5, %%ymm1, %%ymm1\n\t"
-        "vpmaddwd %%ymm13, %%ymm6, %%ymm6\n\t"
-        "vpaddd %%ymm6, %%ymm2, %%ymm2\n\t"
-        "vpmaddwd %%ymm13, %%ymm7, %%ymm7\n\t"
-        "vpaddd %%ymm7, %%ymm3, %%ymm3\n\t"
+        Q6_PAIR("512", "32", "640", "40") Q6_PAIR("768", "48", "896", "56")
         "add $8, %[ap]\n\t"
         "add $64, %[w]\n\t"
         "add $16, %[sc]\n\t"
@@ -1801,6 +1711,11 @@ static inline __attribute__((always_inline)) void q6k_wide_block(const uint8_t *
         : [isum] "r"(isum)
         : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8",
           "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+#undef Q6_LOAD
+#undef Q6_PRODUCT
+#undef Q6_ADD
+#undef Q6_SCALE
+#undef Q6_PAIR
 }
 
 /* Q6_K rows, two at a time, with a batch's tokens side by side (QuantX.qu): the same integer
