@@ -1998,7 +1998,7 @@ static inline void flush_window(float *y, int ldy, int accumulate, const float *
         if (filled >> i & 1) store_rows(y, ldy, accumulate, bias, row + i, 1, t0, nt, out + i, GROUP_ROWS);
 }
 
-/* QuantX.qt (where qt is not NULL), qu (where qu is not NULL), mt and dt from nt tokens'
+/* QuantX.qt and mt (where qt is not NULL), qu (where qu is not NULL) and dt from nt tokens'
  * per-256 activations (qk, dk, bsum); the lanes of tokens nt .. TOKEN_BLOCK - 1 hold zero
  * codes. */
 static void tokens_side_by_side(const int8_t *qk, const float *dk, const int16_t *bsum, int nt,
@@ -2040,7 +2040,7 @@ static void tokens_side_by_side(const int8_t *qk, const float *dk, const int16_t
         for (int t = 0; t < TOKEN_BLOCK; t++) {
             const int16_t *bs = bsum + ((long)t * blocks + b) * 16;
             dt[b * TOKEN_BLOCK + t] = t < nt ? dk[(long)t * blocks + b] : 0.0f;
-            for (int c = 0; c < 4; c++)
+            for (int c = 0; qt && c < 4; c++) /* the mins' sums: Q4_K's alone */
                 mt[(b * 4 + c) * TOKEN_BLOCK + t] =
                     t < nt ? (int32_t)((uint32_t)(uint16_t)(bs[4 * c] + bs[4 * c + 1]) |
                                        (uint32_t)(uint16_t)(bs[4 * c + 2] + bs[4 * c + 3]) << 16)
