@@ -1522,64 +1522,62 @@ static inline __attribute__((always_inline)) void rows16_q4k(const int tk, const
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + (long)(t0 + j) * GROUP_ROWS + 8 * h, acc[h][j]);
 }
 
-/* The inner loop of rows16_q4k_wide: a 32-value sub-block of two rows (codes `w`, 4 a row
- * for each k at w + 64 k) with 32 tokens' activations (`a`, 128 bytes for each k), the
- * products' pair sums added in 16 bits, then times the rows' scales (sc[0], sc[1], as
- * 16-bit pairs) added in 32 bits to isum[0 .. 3] (the first row, 8 tokens a vector) and
- * isum[4 .. 7]. Written in assembly: GCC (12) spills the accumulators of the same loop in
- * intrinsics, or loads each activation vector once a row, and runs it ~35% slower. */
-static inline __attribute__((always_inline)) void wide_sub_block(const int8_t *a, const uint8_t *w,
+/* The inner loop of rows16_q4k_wide: a whole 256-value block of one row with 32 tokens.
+ * Sub-block j (in k_slot order) has the row's codes at w + 512 j + 64 k (4 for each k), its
+ * scale as a 16-bit pair at sc[16 j], and the tokens' activations at a + 1024 j + 128 k (4
+ * vectors of 8 tokens' 4). The products' pair sums are added in 16 bits through a sub-block
+ * (its first step writes them), then times the scale added in 32 bits to isum[0 .. 3] (8
+ * tokens each), which stay in registers for the whole block. One row at a time with the
+ * activations as memory operands: the 16 registers hold the 4 + 4 sums, a broadcast and
+ * temporaries (two rows at a time needed their 32-bit sums in memory: ~15% slower). In
+ * assembly: GCC (12) spills the accumulators of the same loop in intrinsics. */
+static inline __attribute__((always_inline)) void wide_row_block(const int8_t *a, const uint8_t *w,
                                                                  const int32_t *sc, __m256i *isum) {
-#define WIDE_ROWS2(X, A, B)                                                                   \
-    "vpmaddubsw %%ymm" X ", %%ymm12, %%ymm14\n\t"                                           \
-    "vpaddw %%ymm14, %%ymm" A ", %%ymm" A "\n\t"                                            \
-    "vpmaddubsw %%ymm" X ", %%ymm13, %%ymm15\n\t"                                           \
-    "vpaddw %%ymm15, %%ymm" B ", %%ymm" B "\n\t"
+/* the first step of a sub-block: its products start the 16-bit sums */
+#define WIDE_FIRST                                                                            \
+    "vpbroadcastd (%[w]), %%ymm12\n\t"                                                        \
+    "vpmaddubsw (%[a]), %%ymm12, %%ymm0\n\t"                                                  \
+    "vpmaddubsw 32(%[a]), %%ymm12, %%ymm1\n\t"                                                \
+    "vpmaddubsw 64(%[a]), %%ymm12, %%ymm2\n\t"                                                \
+    "vpmaddubsw 96(%[a]), %%ymm12, %%ymm3\n\t"
 #define WIDE_STEP(W, A)                                                                       \
-    "vpbroadcastd " W "(%[w]), %%ymm12\n\t"                                                  \
-    "vpbroadcastd " W "+4(%[w]), %%ymm13\n\t"                                                \
-    "vmovdqa " A "(%[a]), %%ymm8\n\t"                                                        \
-    "vmovdqa " A "+32(%[a]), %%ymm9\n\t"                                                     \
-    "vmovdqa " A "+64(%[a]), %%ymm10\n\t"                                                    \
-    "vmovdqa " A "+96(%[a]), %%ymm11\n\t"                                                    \
-    WIDE_ROWS2("8", "0", "4") WIDE_ROWS2("9", "1", "5") WIDE_ROWS2("10", "2", "6")            \
-    WIDE_ROWS2("11", "3", "7")
-#define WIDE_SCALE(A, S, AT)                                                                  \
-    "vpmaddwd %%ymm" S ", %%ymm" A ", %%ymm" A "\n\t"                                         \
-    "vpaddd " AT "(%[p]), %%ymm" A ", %%ymm" A "\n\t"                                          \
-    "vmovdqa %%ymm" A ", " AT "(%[p])\n\t"
-    long k = 8;
+    "vpbroadcastd " W "(%[w]), %%ymm12\n\t"                                                   \
+    "vpmaddubsw " A "(%[a]), %%ymm12, %%ymm13\n\t"                                            \
+    "vpaddw %%ymm13, %%ymm0, %%ymm0\n\t"                                                      \
+    "vpmaddubsw " A "+32(%[a]), %%ymm12, %%ymm14\n\t"                                         \
+    "vpaddw %%ymm14, %%ymm1, %%ymm1\n\t"                                                      \
+    "vpmaddubsw " A "+64(%[a]), %%ymm12, %%ymm15\n\t"                                         \
+    "vpaddw %%ymm15, %%ymm2, %%ymm2\n\t"                                                      \
+    "vpmaddubsw " A "+96(%[a]), %%ymm12, %%ymm13\n\t"                                         \
+    "vpaddw %%ymm13, %%ymm3, %%ymm3\n\t"
+#define WIDE_SCALE(S, I) "vpmaddwd %%ymm12, %%ymm" S ", %%ymm" S "\n\t" "vpaddd %%ymm" S ", %%ymm" I ", %%ymm" I "\n\t"
+    long j = 8;
     __asm__ volatile(
-        "vpxor %%xmm0, %%xmm0, %%xmm0\n\t"
-        "vpxor %%xmm1, %%xmm1, %%xmm1\n\t"
-        "vpxor %%xmm2, %%xmm2, %%xmm2\n\t"
-        "vpxor %%xmm3, %%xmm3, %%xmm3\n\t"
-        "vpxor %%xmm4, %%xmm4, %%xmm4\n\t"
-        "vpxor %%xmm5, %%xmm5, %%xmm5\n\t"
-        "vpxor %%xmm6, %%xmm6, %%xmm6\n\t"
-        "vpxor %%xmm7, %%xmm7, %%xmm7\n\t"
+        "vpxor %%xmm8, %%xmm8, %%xmm8\n\t"
+        "vpxor %%xmm9, %%xmm9, %%xmm9\n\t"
+        "vpxor %%xmm10, %%xmm10, %%xmm10\n\t"
+        "vpxor %%xmm11, %%xmm11, %%xmm11\n\t"
         "1:\n\t"
-        WIDE_STEP("0", "0")
-        WIDE_STEP("64", "128")
-        "add $128, %[w]\n\t"
-        "add $256, %[a]\n\t"
-        "sub $2, %[k]\n\t"
-        "jnz 1b\n\t"
+        WIDE_FIRST
+        WIDE_STEP("64", "128") WIDE_STEP("128", "256") WIDE_STEP("192", "384")
+        WIDE_STEP("256", "512") WIDE_STEP("320", "640") WIDE_STEP("384", "768")
+        WIDE_STEP("448", "896")
         "vpbroadcastd (%[sc]), %%ymm12\n\t"
-        "vpbroadcastd 4(%[sc]), %%ymm13\n\t"
-        WIDE_SCALE("0", "12", "0")
-        WIDE_SCALE("1", "12", "32")
-        WIDE_SCALE("2", "12", "64")
-        WIDE_SCALE("3", "12", "96")
-        WIDE_SCALE("4", "13", "128")
-        WIDE_SCALE("5", "13", "160")
-        WIDE_SCALE("6", "13", "192")
-        WIDE_SCALE("7", "13", "224")
-        : [a] "+r"(a), [w] "+r"(w), [k] "+r"(k)
-        : [p] "r"(isum), [sc] "r"(sc)
-        : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8",
-          "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
-#undef WIDE_ROWS2
+        WIDE_SCALE("0", "8") WIDE_SCALE("1", "9") WIDE_SCALE("2", "10") WIDE_SCALE("3", "11")
+        "add $512, %[w]\n\t"
+        "add $1024, %[a]\n\t"
+        "add $64, %[sc]\n\t"
+        "dec %[j]\n\t"
+        "jnz 1b\n\t"
+        "vmovdqa %%ymm8, (%[p])\n\t"
+        "vmovdqa %%ymm9, 32(%[p])\n\t"
+        "vmovdqa %%ymm10, 64(%[p])\n\t"
+        "vmovdqa %%ymm11, 96(%[p])\n\t"
+        : [a] "+r"(a), [w] "+r"(w), [sc] "+r"(sc), [j] "+r"(j)
+        : [p] "r"(isum)
+        : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm8", "xmm9", "xmm10", "xmm11",
+          "xmm12", "xmm13", "xmm14", "xmm15");
+#undef WIDE_FIRST
 #undef WIDE_STEP
 #undef WIDE_SCALE
 }
@@ -1599,45 +1597,41 @@ static inline __attribute__((always_inline)) void rows16_q4k_wide(const uint8_t 
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     uint8_t codes[8][8][64] __attribute__((aligned(32))); /* [sub-block][k][row]: 4 codes a row */
     int32_t sc[8][GROUP_ROWS] __attribute__((aligned(32))), mn[4][GROUP_ROWS] __attribute__((aligned(32)));
-    __m256i isum[8] __attribute__((aligned(32)));
+    __m256i isum[4] __attribute__((aligned(32)));
     __m256 acc[GROUP_ROWS][4];
     for (int r = 0; r < GROUP_ROWS; r++)
         for (int v = 0; v < nv; v++) acc[r][v] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         const uint8_t *blk = group + b * size;
         prefetch_group_block(blk, size);
-        for (int s = 0; s < 8; s++)
+        for (int s = 0; s < 8; s++) /* sub-blocks in k_slot order, as the activations */
             for (int k = 0; k < 8; k++) {
                 const __m256i c = _mm256_loadu_si256((const __m256i *)(blk + 256 + 256 * s + 32 * k));
-                _mm256_store_si256((__m256i *)codes[s][k], _mm256_and_si256(c, low4));
-                _mm256_store_si256((__m256i *)(codes[s][k] + 32), _mm256_and_si256(_mm256_srli_epi16(c, 4), low4));
+                _mm256_store_si256((__m256i *)codes[k_slot(s)][k], _mm256_and_si256(c, low4));
+                _mm256_store_si256((__m256i *)(codes[k_slot(s)][k] + 32), _mm256_and_si256(_mm256_srli_epi16(c, 4), low4));
             }
         {
             __m256i scv[2][8], mnv[2][4];
             q4k_group_scales(blk, scv, mnv);
             for (int h = 0; h < 2; h++) {
-                for (int s = 0; s < 8; s++) _mm256_store_si256((__m256i *)(sc[s] + 8 * h), scv[h][s]);
+                for (int s = 0; s < 8; s++) _mm256_store_si256((__m256i *)(sc[k_slot(s)] + 8 * h), scv[h][s]);
                 for (int c = 0; c < 4; c++) _mm256_store_si256((__m256i *)(mn[c] + 8 * h), mnv[h][c]);
             }
         }
         const int8_t *act = x->qt + (long)b * QK_BLOCK * TOKEN_BLOCK;
-        for (int r = 0; r < GROUP_ROWS; r += 2) {
-            for (int v = 0; v < 8; v++) isum[v] = _mm256_setzero_si256();
-            for (int s = 0; s < 8; s++)
-                wide_sub_block(act + 32 * k_slot(s) * TOKEN_BLOCK, codes[s][0] + 4 * r, sc[s] + r, isum);
-            for (int h = 0; h < 2; h++) {
-                const __m256 d = _mm256_set1_ps(half(blk + 2 * (r + h)));
-                const __m256 dmin = _mm256_set1_ps(half(blk + 32 + 2 * (r + h)));
-                for (int v = 0; v < nv; v++) {
-                    const __m256 dx = _mm256_load_ps(x->dt + (long)b * TOKEN_BLOCK + 8 * v);
-                    __m256i msum = _mm256_setzero_si256();
-                    for (int c = 0; c < 4; c++) {
-                        const __m256i pair = _mm256_load_si256((const __m256i *)(x->mt + ((long)b * 4 + c) * TOKEN_BLOCK + 8 * v));
-                        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(_mm256_set1_epi32(mn[c][r + h]), pair));
-                    }
-                    acc[r + h][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[4 * h + v]), _mm256_mul_ps(d, dx), acc[r + h][v]);
-                    acc[r + h][v] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, dx), acc[r + h][v]);
+        for (int r = 0; r < GROUP_ROWS; r++) {
+            wide_row_block(act, codes[0][0] + 4 * r, sc[0] + r, isum);
+            const __m256 d = _mm256_set1_ps(half(blk + 2 * r));
+            const __m256 dmin = _mm256_set1_ps(half(blk + 32 + 2 * r));
+            for (int v = 0; v < nv; v++) {
+                const __m256 dx = _mm256_load_ps(x->dt + (long)b * TOKEN_BLOCK + 8 * v);
+                __m256i msum = _mm256_setzero_si256();
+                for (int c = 0; c < 4; c++) {
+                    const __m256i pair = _mm256_load_si256((const __m256i *)(x->mt + ((long)b * 4 + c) * TOKEN_BLOCK + 8 * v));
+                    msum = _mm256_add_epi32(msum, _mm256_madd_epi16(_mm256_set1_epi32(mn[c][r]), pair));
                 }
+                acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[v]), _mm256_mul_ps(d, dx), acc[r][v]);
+                acc[r][v] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, dx), acc[r][v]);
             }
         }
     }
