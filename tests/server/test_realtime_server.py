@@ -17,6 +17,7 @@ from harness import Server
 from websockets.sync.client import connect
 
 from infire.audio import decode_audio
+from infire.server.realtime import final_delta, stable_delta
 from speech_clips import espeak, wer
 
 MODEL = "whisper-base"
@@ -154,3 +155,30 @@ def test_a_client_that_leaves_mid_turn_does_not_stop_the_server(
         again.send(json.dumps({"type": "input_audio_buffer.commit"}))
         events = _events(again, "conversation.item.input_audio_transcription.completed")
         assert "library" in events[-1]["transcript"].lower()
+
+
+def test_partial_passes_send_the_words_they_agree_on_but_the_last() -> None:
+    # the newest pass's last word is held back even where both passes have it
+    assert (
+        stable_delta("", ["Please", "call", "Stel"], ["Please", "call", "Stel", "and"])
+        == "Please call Stel"
+    )
+    assert stable_delta("", ["Please", "call"], ["Please", "call"]) == "Please"
+    assert (
+        stable_delta("Please", ["Please", "call", "Stella"], ["Please", "call", "Stella", "and"])
+        == " call Stella"
+    )
+    assert (
+        stable_delta("Please call", ["Please", "fall"], ["Please", "call", "it"]) == ""
+    )  # nothing new agreed
+    assert stable_delta("Please call", ["Please", "call", "X"], ["Please", "call", "Y", "z"]) == ""
+
+
+def test_the_last_delta_carries_the_transcript_beyond_what_was_sent() -> None:
+    assert final_delta("", "Please call Stella.") == "Please call Stella."
+    assert final_delta("Please call", "Please call Stella.") == " Stella."
+    assert final_delta("Please call Stella.", "Please call Stella.") == ""
+    # words sent and changed by the final pass cannot be taken back: the rest follows on
+    text = "Please call Taylor and ask her to bring these things"
+    assert final_delta("Please call Taylor and ask for", text) == " to bring these things"
+    assert final_delta("Please call Taylor and ask for", "Please call Taylor") == ""

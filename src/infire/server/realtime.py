@@ -16,8 +16,10 @@ The server answers `session.created` on connect and `session.updated`; with serv
 {previous_item_id, item_id}, `conversation.item.input_audio_transcription.delta`
 {item_id, content_index, delta} and `.completed` {item_id, content_index, transcript}.
 While a turn goes on, its audio so far is transcribed about every second and the words
-two such passes agree on are sent as deltas, so text arrives before the turn ends; the
-completed transcript (of the whole turn, decoded once more) is the authoritative one.
+two such passes agree on (but the newest pass's last word, which its audio may cut) are
+sent as deltas, so text arrives before the turn ends; the completed transcript (of the
+whole turn, decoded once more) is the authoritative one, and the turn's last delta carries
+its text beyond what was sent.
 
 Bad input never ends a session by itself: a frame that is not JSON, an unknown event, bad
 base64 or a commit of an empty buffer answer an `error` event ({type: "error", error:
@@ -82,6 +84,33 @@ class _Turn:
     @property
     def samples(self) -> np.ndarray:
         return np.concatenate(self.audio) if self.audio else np.zeros(0, np.float32)
+
+
+def stable_delta(sent: str, previous: list[str], words: list[str]) -> str:
+    """The delta a partial pass adds: the words it and the pass before (`previous`) agree
+    on, beyond `sent` (the text sent so far). The newest pass's last word is held back: its
+    audio may end inside it (two passes cut mid-word can agree on a wrong word)."""
+    agreed = []
+    for a, b in zip(previous, words[:-1], strict=False):
+        if a != b:
+            break
+        agreed.append(a)
+    stable, done = " ".join(agreed), sent.strip()
+    if not stable.startswith(done) or len(stable) <= len(done):
+        return ""
+    delta = stable[len(done) :] if sent else stable
+    return delta if delta.startswith(" ") or not sent else " " + delta.lstrip()
+
+
+def final_delta(sent: str, transcript: str) -> str:
+    """The last delta of a turn: the transcript beyond the text sent. Deltas cannot be taken
+    back, so where the final pass changed words already sent, the rest follows from the
+    sent text's word count on (the completed transcript is the authoritative one)."""
+    done = sent.strip()
+    if transcript.startswith(done):
+        return transcript[len(done) :]
+    rest = transcript.split()[len(done.split()) :]
+    return " " + " ".join(rest) if rest else ""
 
 
 class RealtimeSession:
@@ -291,16 +320,9 @@ class RealtimeSession:
         except Exception:  # noqa: BLE001 - the completed pass reports errors
             return
         words = result.text.split()
-        agreed = []
-        for a, b in zip(turn.previous_partial, words, strict=False):
-            if a != b:
-                break
-            agreed.append(a)
+        delta = stable_delta(turn.sent, turn.previous_partial, words)
         turn.previous_partial = words
-        stable = " ".join(agreed)
-        if stable.startswith(turn.sent.strip()) and len(stable) > len(turn.sent.strip()):
-            delta = stable[len(turn.sent.strip()) :] if turn.sent else stable
-            delta = delta if delta.startswith(" ") or not turn.sent else " " + delta.lstrip()
+        if delta:
             turn.sent += delta
             await self.send({"type": "conversation.item.input_audio_transcription.delta",
                              "item_id": turn.item_id, "content_index": 0, "delta": delta})  # fmt: skip
@@ -316,9 +338,8 @@ class RealtimeSession:
                                        "param": api.param}})  # fmt: skip
             return
         transcript = result.text.strip()
-        sent = turn.sent.strip()
-        if transcript.startswith(sent) and len(transcript) > len(sent):
-            rest = transcript[len(sent) :]
+        rest = final_delta(turn.sent, transcript)
+        if rest:
             await self.send({"type": "conversation.item.input_audio_transcription.delta",
                              "item_id": turn.item_id, "content_index": 0, "delta": rest})  # fmt: skip
         await self.send({"type": "conversation.item.input_audio_transcription.completed",
