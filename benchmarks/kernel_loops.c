@@ -8,7 +8,7 @@
  *             32 tokens (a row's 4 codes broadcast, 4 vectors of 8 tokens' 4
  *             activations; vpmaddubsw + vpaddw, then per 32 values vpmaddwd by the
  *             scale, vpaddd);
- *   q6k_wide: q6k_wide_block, rows_q6k_wide's loop: a 256-value block of two rows with 16
+ *   q6k_wide: q6k_row_block, rows_q6k_wide's loop: a 256-value block of one row with 32
  *             tokens (pair sums reach 16320: every two vpmaddubsw a vpmaddwd by the scale
  *             of their 16 values).
  * Each returns the multiply-adds it did (summed over the OpenMP threads).
@@ -55,17 +55,15 @@ long loop_q6k_wide(long iters) {
         const int me = omp_get_thread_num() % 2;
         fill_acts(me);
         __m256i isum[4] __attribute__((aligned(32)));
-        for (int i = 0; i < 512; i++) loop_codes[me][i] = (uint8_t)((i * 5 & 63) - 32);
-        for (int i = 0; i < 32; i++) loop_scales[me][i] = 3 | 3 << 16;
-        const uint8_t *ap[8];
-        for (int j = 0; j < 8; j++) ap[j] = loop_acts[me] + 1024 * j;
+        for (int i = 0; i < 8 * 512; i++) loop_codes[me][i] = (uint8_t)((i * 5 & 63) - 32);
+        for (int i = 0; i < 8 * 16; i++) loop_scales[me][i] = 3 | 3 << 16;
         int sum = 0;
-        for (long i = 0; i < iters; i++) {
-            q6k_wide_block(ap, loop_codes[me], loop_scales[me], isum);
+        for (long i = 0; i < iters; i++) { /* 16 rows' blocks, over and over */
+            q6k_row_block(loop_acts[me], loop_codes[me] + 256 * (i & 15), loop_scales[me], 4, isum);
             sum += _mm256_extract_epi32(isum[i & 3], 0);
         }
         loop_sink = sum;
-        total = iters * 2 * 256 * 16; /* 2 rows x 256 values x 16 tokens */
+        total = iters * 256 * 32; /* a row x 256 values x 32 tokens */
     }
     return total;
 }

@@ -1648,137 +1648,164 @@ static inline __attribute__((always_inline)) void rows16_q4k_wide(const uint8_t 
 #define WIDE_Q4K_TOKENS 30
 #define WIDE_Q6K_TOKENS 12
 
-/* The inner loop of rows_q6k_wide: a 256-value block of two rows (codes u - 32 in `w`, per
- * sub-block j and values 4 k .. 4 k + 3 of it the two rows' 4 at w + 64 j + 8 k; each 16
- * values' scales as 16-bit pairs in `sc`, the two rows' at sc + 8 g) with 16 tokens'
- * unsigned activations (sub-block j's at ap[j], 128 bytes for each k), into isum[0 .. 1]
- * (the first row, 8 tokens a vector) and isum[2 .. 3]. Pair sums of (x + 128)(u - 32) reach
- * 16320: two add up in 16 bits, then vpmaddwd by the scale. */
-static inline __attribute__((always_inline)) void q6k_wide_block(const uint8_t *const *ap,
-                                                                 const uint8_t *w, const int32_t *sc,
-                                                                 __m256i *isum) {
-/* codes 4 k .. 4 k + 3 of the sub-block (activations at A, the two rows' codes at W) */
-#define Q6_LOAD(A, W)                                                                         \
-    "vmovdqa " A "(%[a]), %%ymm8\n\t"                                                          \
-    "vmovdqa " A "+32(%[a]), %%ymm9\n\t"                                                       \
-    "vpbroadcastd " W "(%[w]), %%ymm10\n\t"                                                    \
-    "vpbroadcastd " W "+4(%[w]), %%ymm11\n\t"
-#define Q6_PRODUCT(W, X, P) "vpmaddubsw %%ymm" W ", %%ymm" X ", %%ymm" P "\n\t"
-#define Q6_ADD(W, X, T, P) Q6_PRODUCT(W, X, T) "vpaddw %%ymm" T ", %%ymm" P ", %%ymm" P "\n\t"
-#define Q6_SCALE(S, P, I) "vpmaddwd %%ymm" S ", %%ymm" P ", %%ymm" P "\n\t" "vpaddd %%ymm" P ", %%ymm" I ", %%ymm" I "\n\t"
-/* two steps of 4 codes: their products in 16 bits (ymm4-7), then times the scales (ymm12,
- * 13) into the sums (ymm0-3) */
-#define Q6_PAIR(A0, W0, A1, W1)                                                               \
-    Q6_LOAD(A0, W0)                                                                           \
-    Q6_PRODUCT("10", "8", "4") Q6_PRODUCT("10", "9", "5")                                     \
-    Q6_PRODUCT("11", "8", "6") Q6_PRODUCT("11", "9", "7")                                     \
-    Q6_LOAD(A1, W1)                                                                           \
-    Q6_ADD("10", "8", "14", "4") Q6_ADD("10", "9", "15", "5")                                 \
-    Q6_ADD("11", "8", "14", "6") Q6_ADD("11", "9", "15", "7")                                 \
-    Q6_SCALE("12", "4", "0") Q6_SCALE("12", "5", "1")                                         \
-    Q6_SCALE("13", "6", "2") Q6_SCALE("13", "7", "3")
-    long n = 8;
-    const uint8_t *a;
-    __asm__ volatile(
-        "vpxor %%xmm0, %%xmm0, %%xmm0\n\t"
-        "vpxor %%xmm1, %%xmm1, %%xmm1\n\t"
-        "vpxor %%xmm2, %%xmm2, %%xmm2\n\t"
-        "vpxor %%xmm3, %%xmm3, %%xmm3\n\t"
-        "1:\n\t"
-        "mov (%[ap]), %[a]\n\t"
-        "vpbroadcastd (%[sc]), %%ymm12\n\t" /* the sub-block's first 16 values' scales */
-        "vpbroadcastd 4(%[sc]), %%ymm13\n\t"
-        Q6_PAIR("0", "0", "128", "8") Q6_PAIR("256", "16", "384", "24")
-        "vpbroadcastd 8(%[sc]), %%ymm12\n\t" /* its second 16's */
-        "vpbroadcastd 12(%[sc]), %%ymm13\n\t"
-        Q6_PAIR("512", "32", "640", "40") Q6_PAIR("768", "48", "896", "56")
-        "add $8, %[ap]\n\t"
-        "add $64, %[w]\n\t"
-        "add $16, %[sc]\n\t"
-        "dec %[n]\n\t"
-        "jnz 1b\n\t"
-        "vmovdqa %%ymm0, 0(%[isum])\n\t"
-        "vmovdqa %%ymm1, 32(%[isum])\n\t"
-        "vmovdqa %%ymm2, 64(%[isum])\n\t"
-        "vmovdqa %%ymm3, 96(%[isum])\n\t"
-        : [a] "=&r"(a), [ap] "+r"(ap), [w] "+r"(w), [sc] "+r"(sc), [n] "+r"(n)
-        : [isum] "r"(isum)
-        : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8",
-          "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
-#undef Q6_LOAD
-#undef Q6_PRODUCT
-#undef Q6_ADD
-#undef Q6_SCALE
-#undef Q6_PAIR
+/* The inner loop of rows_q6k_wide: a whole 256-value block of one row with 16 or 32 tokens
+ * (`nv` vectors of 8). Sub-block j (in k_slot order, as the activations) has the row's
+ * codes u - 32 at w + 32 j (4 for each k), its two 16s' scales as 16-bit pairs at sc[2 j]
+ * and sc[2 j + 1], and the tokens' unsigned activations at a + 1024 j + 128 k. Pair sums
+ * of (x + 128)(u - 32) reach 16320: two steps add up in 16 bits (the first writes them),
+ * then vpmaddwd by the scale, vpaddd into isum[0 .. nv - 1], which stay in registers for
+ * the block. One row at a time, as Q4_K's wide_row_block (two rows of 16 tokens, their
+ * 32-bit sums in memory, ran ~15% slower); the activations are the unsigned side of
+ * `vpmaddubsw`, so they are loaded (the codes, signed, are broadcast). */
+static inline __attribute__((always_inline)) void q6k_row_block(const uint8_t *a, const uint8_t *w,
+                                                                const int32_t *sc, int nv,
+                                                                __m256i *isum) {
+/* 4 codes of the row (at W) against nv vectors of activations (at A): their products start
+ * the 16-bit sums (FIRST) or add to them (NEXT) */
+#define Q6_FIRST4(W, A)                                                                       \
+    "vpbroadcastd " W "(%[w]), %%ymm12\n\t"                                                   \
+    "vmovdqa " A "(%[a]), %%ymm5\n\t"                                                          \
+    "vmovdqa " A "+32(%[a]), %%ymm6\n\t"                                                       \
+    "vmovdqa " A "+64(%[a]), %%ymm7\n\t"                                                       \
+    "vmovdqa " A "+96(%[a]), %%ymm13\n\t"                                                      \
+    "vpmaddubsw %%ymm12, %%ymm5, %%ymm0\n\t"                                                   \
+    "vpmaddubsw %%ymm12, %%ymm6, %%ymm1\n\t"                                                   \
+    "vpmaddubsw %%ymm12, %%ymm7, %%ymm2\n\t"                                                   \
+    "vpmaddubsw %%ymm12, %%ymm13, %%ymm3\n\t"
+#define Q6_NEXT4(W, A)                                                                        \
+    "vpbroadcastd " W "(%[w]), %%ymm12\n\t"                                                   \
+    "vmovdqa " A "(%[a]), %%ymm5\n\t"                                                          \
+    "vmovdqa " A "+32(%[a]), %%ymm6\n\t"                                                       \
+    "vmovdqa " A "+64(%[a]), %%ymm7\n\t"                                                       \
+    "vmovdqa " A "+96(%[a]), %%ymm13\n\t"                                                      \
+    "vpmaddubsw %%ymm12, %%ymm5, %%ymm14\n\t"                                                  \
+    "vpaddw %%ymm14, %%ymm0, %%ymm0\n\t"                                                       \
+    "vpmaddubsw %%ymm12, %%ymm6, %%ymm15\n\t"                                                  \
+    "vpaddw %%ymm15, %%ymm1, %%ymm1\n\t"                                                       \
+    "vpmaddubsw %%ymm12, %%ymm7, %%ymm14\n\t"                                                  \
+    "vpaddw %%ymm14, %%ymm2, %%ymm2\n\t"                                                       \
+    "vpmaddubsw %%ymm12, %%ymm13, %%ymm15\n\t"                                                 \
+    "vpaddw %%ymm15, %%ymm3, %%ymm3\n\t"
+#define Q6_SCALE4(S)                                                                          \
+    "vpbroadcastd " S "(%[sc]), %%ymm4\n\t"                                                    \
+    "vpmaddwd %%ymm4, %%ymm0, %%ymm0\n\t"                                                      \
+    "vpmaddwd %%ymm4, %%ymm1, %%ymm1\n\t"                                                      \
+    "vpmaddwd %%ymm4, %%ymm2, %%ymm2\n\t"                                                      \
+    "vpmaddwd %%ymm4, %%ymm3, %%ymm3\n\t"                                                      \
+    "vpaddd %%ymm0, %%ymm8, %%ymm8\n\t"                                                        \
+    "vpaddd %%ymm1, %%ymm9, %%ymm9\n\t"                                                        \
+    "vpaddd %%ymm2, %%ymm10, %%ymm10\n\t"                                                      \
+    "vpaddd %%ymm3, %%ymm11, %%ymm11\n\t"
+#define Q6_FIRST2(W, A)                                                                       \
+    "vpbroadcastd " W "(%[w]), %%ymm12\n\t"                                                   \
+    "vmovdqa " A "(%[a]), %%ymm5\n\t"                                                          \
+    "vmovdqa " A "+32(%[a]), %%ymm6\n\t"                                                       \
+    "vpmaddubsw %%ymm12, %%ymm5, %%ymm0\n\t"                                                   \
+    "vpmaddubsw %%ymm12, %%ymm6, %%ymm1\n\t"
+#define Q6_NEXT2(W, A)                                                                        \
+    "vpbroadcastd " W "(%[w]), %%ymm12\n\t"                                                   \
+    "vmovdqa " A "(%[a]), %%ymm5\n\t"                                                          \
+    "vmovdqa " A "+32(%[a]), %%ymm6\n\t"                                                       \
+    "vpmaddubsw %%ymm12, %%ymm5, %%ymm14\n\t"                                                  \
+    "vpaddw %%ymm14, %%ymm0, %%ymm0\n\t"                                                       \
+    "vpmaddubsw %%ymm12, %%ymm6, %%ymm15\n\t"                                                  \
+    "vpaddw %%ymm15, %%ymm1, %%ymm1\n\t"
+#define Q6_SCALE2(S)                                                                          \
+    "vpbroadcastd " S "(%[sc]), %%ymm4\n\t"                                                    \
+    "vpmaddwd %%ymm4, %%ymm0, %%ymm0\n\t"                                                      \
+    "vpmaddwd %%ymm4, %%ymm1, %%ymm1\n\t"                                                      \
+    "vpaddd %%ymm0, %%ymm8, %%ymm8\n\t"                                                        \
+    "vpaddd %%ymm1, %%ymm9, %%ymm9\n\t"
+/* a sub-block: 8 steps of 4 codes, the first 16 values' scale at sc, the second's at sc + 4 */
+#define Q6_SUB_BLOCK(N)                                                                       \
+    Q6_FIRST##N("0", "0") Q6_NEXT##N("4", "128") Q6_SCALE##N("0")                            \
+    Q6_FIRST##N("8", "256") Q6_NEXT##N("12", "384") Q6_SCALE##N("0")                         \
+    Q6_FIRST##N("16", "512") Q6_NEXT##N("20", "640") Q6_SCALE##N("4")                        \
+    Q6_FIRST##N("24", "768") Q6_NEXT##N("28", "896") Q6_SCALE##N("4")
+#define Q6_LOOP(N, BODY)                                                                      \
+    __asm__ volatile(                                                                         \
+        "vpxor %%xmm8, %%xmm8, %%xmm8\n\t"                                                    \
+        "vpxor %%xmm9, %%xmm9, %%xmm9\n\t"                                                    \
+        "vpxor %%xmm10, %%xmm10, %%xmm10\n\t"                                                 \
+        "vpxor %%xmm11, %%xmm11, %%xmm11\n\t"                                                 \
+        "1:\n\t" BODY                                                                         \
+        "add $32, %[w]\n\t"                                                                   \
+        "add $1024, %[a]\n\t"                                                                 \
+        "add $8, %[sc]\n\t"                                                                   \
+        "dec %[j]\n\t"                                                                        \
+        "jnz 1b\n\t"                                                                          \
+        "vmovdqa %%ymm8, (%[p])\n\t"                                                          \
+        "vmovdqa %%ymm9, 32(%[p])\n\t"                                                        \
+        "vmovdqa %%ymm10, 64(%[p])\n\t"                                                       \
+        "vmovdqa %%ymm11, 96(%[p])\n\t"                                                       \
+        : [a] "+r"(a), [w] "+r"(w), [sc] "+r"(sc), [j] "+r"(j)                                \
+        : [p] "r"(isum)                                                                       \
+        : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7",      \
+          "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15")
+    long j = 8;
+    if (nv == 4) Q6_LOOP(4, Q6_SUB_BLOCK(4));
+    else Q6_LOOP(2, Q6_SUB_BLOCK(2));
+#undef Q6_FIRST4
+#undef Q6_NEXT4
+#undef Q6_SCALE4
+#undef Q6_FIRST2
+#undef Q6_NEXT2
+#undef Q6_SCALE2
+#undef Q6_SUB_BLOCK
+#undef Q6_LOOP
 }
 
-/* Q6_K rows, two at a time, with a batch's tokens side by side (QuantX.qu): the same integer
- * sum per (row, token, block) as rows_dots_k_typed's one-token form, in another order.
- * Each block's codes are unpacked once, as u - 32, for all of its tokens; the activations
- * enter as x + 128 (vpmaddubsw takes one side unsigned), and the block's sum loses
- * 128 sum_g sc_g sum (u - 32), a constant of the row. */
+/* Q6_K rows with a batch's tokens side by side (QuantX.qu): the same integer sum per (row,
+ * token, block) as rows_dots_k_typed's one-token form, in another order. Each block's codes
+ * are unpacked once, as u - 32, for all of its tokens; the activations enter as x + 128
+ * (vpmaddubsw takes one side unsigned), and the block's sum loses
+ * 128 sum_g sc_g sum (u - 32), a constant of the row. Up to 16 tokens take 2 vectors of 8,
+ * more 4. */
 static void rows_q6k_wide(const uint8_t *row0, const uint8_t *row1, int nt, const QuantX *x,
                           float *out0, float *out1) {
-    const int cols = x->cols, blocks = cols / QK_BLOCK, halves = (nt + 15) / 16;
-    const uint8_t *rows[2] = {row0, row1 ? row1 : row0};
+    const int cols = x->cols, blocks = cols / QK_BLOCK, nv = nt > 16 ? 4 : 2;
+    const int count = row1 ? 2 : 1;
+    const uint8_t *rows[2] = {row0, row1};
     const __m256i ones = _mm256_set1_epi8(1), thirty_two = _mm256_set1_epi8(32);
-    uint8_t w[8][64] __attribute__((aligned(32)));
-    int32_t sc[16][2] __attribute__((aligned(32)));
+    uint8_t w[8][32] __attribute__((aligned(32))); /* a row's codes u - 32, sub-blocks in k_slot order */
+    int32_t sc[16] __attribute__((aligned(32)));   /* its scales as 16-bit pairs, the same order */
     __m256i isum[4] __attribute__((aligned(32)));
     __m256 acc[2][4];
     for (int r = 0; r < 2; r++)
         for (int v = 0; v < 4; v++) acc[r][v] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
-        __m256i u[2][8];
-        int32_t off[2];
-        float d[2];
-        __m256i pairs[2][2];
-        for (int r = 0; r < 2; r++) {
+        for (int s = 0; s < 4; s++) prefetch_rows(GGML_Q6_K, row0, row1, 256L * b + 64 * s);
+        const uint8_t *act = x->qu + (long)b * QK_BLOCK * TOKEN_BLOCK;
+        for (int r = 0; r < count; r++) {
             const uint8_t *blk = rows[r] + 210L * b;
             const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
-            d[r] = half(blk + 208);
-            __m256i o = _mm256_setzero_si256();
-            __m256i pair[8];
-            q6k_codes(blk, u[r]);
+            const float d = half(blk + 208);
+            __m256i o = _mm256_setzero_si256(), u[8], pair[8];
+            q6k_codes(blk, u);
             q6k_scale_pairs(sc16, pair);
             for (int j = 0; j < 8; j++) {
-                u[r][j] = _mm256_sub_epi8(u[r][j], thirty_two);
-                o = _mm256_add_epi32(o, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, u[r][j]), pair[j]));
-            }
-            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(o), _mm256_extracti128_si256(o, 1));
-            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
-            off[r] = 128 * _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1)));
-            /* each 16 values' scale as a 16-bit pair: groups 0-3, 8-11 and 4-7, 12-15 */
-            pairs[r][0] = _mm256_unpacklo_epi16(sc16, sc16);
-            pairs[r][1] = _mm256_unpackhi_epi16(sc16, sc16);
-        }
-        for (int i = 0; i < 2; i++) { /* sc[g] = the two rows' pairs for group g */
-            const __m256i lo = _mm256_unpacklo_epi32(pairs[0][i], pairs[1][i]);
-            const __m256i hi = _mm256_unpackhi_epi32(pairs[0][i], pairs[1][i]);
-            _mm256_store_si256((__m256i *)sc[4 * i], _mm256_permute2x128_si256(lo, hi, 0x20));
-            _mm256_store_si256((__m256i *)sc[4 * i + 8], _mm256_permute2x128_si256(lo, hi, 0x31));
-        }
-        for (int s = 0; s < 4; s++) prefetch_rows(GGML_Q6_K, row0, row1, 256L * b + 64 * s);
-        for (int j = 0; j < 8; j++) { /* per k the two rows' 4 codes side by side */
-            const __m256i lo = _mm256_unpacklo_epi32(u[0][j], u[1][j]), hi = _mm256_unpackhi_epi32(u[0][j], u[1][j]);
-            _mm256_store_si256((__m256i *)w[j], _mm256_permute2x128_si256(lo, hi, 0x20));
-            _mm256_store_si256((__m256i *)(w[j] + 32), _mm256_permute2x128_si256(lo, hi, 0x31));
-        }
-        for (int h = 0; h < halves; h++) {
-            const uint8_t *ap[8];
-            for (int j = 0; j < 8; j++) ap[j] = x->qu + ((long)b * QK_BLOCK + 32 * k_slot(j)) * TOKEN_BLOCK + 64 * h;
-            q6k_wide_block(ap, w[0], sc[0], isum);
-            for (int r = 0; r < 2; r++)
-                for (int v = 0; v < 2; v++) {
-                    const __m256 dx = _mm256_load_ps(x->dt + (long)b * TOKEN_BLOCK + 16 * h + 8 * v);
-                    const __m256i total = _mm256_sub_epi32(isum[2 * r + v], _mm256_set1_epi32(off[r]));
-                    acc[r][2 * h + v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(_mm256_set1_ps(d[r]), dx), acc[r][2 * h + v]);
+                u[j] = _mm256_sub_epi8(u[j], thirty_two);
+                o = _mm256_add_epi32(o, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, u[j]), pair[j]));
+                _mm256_store_si256((__m256i *)w[k_slot(j)], u[j]);
+                for (int h = 0; h < 2; h++) {
+                    const uint16_t g = (uint16_t)(int8_t)blk[192 + 2 * j + h];
+                    sc[2 * k_slot(j) + h] = (int32_t)(g | (uint32_t)g << 16);
                 }
+            }
+            __m128i hs = _mm_add_epi32(_mm256_castsi256_si128(o), _mm256_extracti128_si256(o, 1));
+            hs = _mm_add_epi32(hs, _mm_shuffle_epi32(hs, 0x4E));
+            const int32_t off = 128 * _mm_cvtsi128_si32(_mm_add_epi32(hs, _mm_shuffle_epi32(hs, 0xB1)));
+            q6k_row_block(act, w[0], sc, nv, isum);
+            for (int v = 0; v < nv; v++) {
+                const __m256 dx = _mm256_load_ps(x->dt + (long)b * TOKEN_BLOCK + 8 * v);
+                const __m256i total = _mm256_sub_epi32(isum[v], _mm256_set1_epi32(off));
+                acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(_mm256_set1_ps(d), dx), acc[r][v]);
+            }
         }
     }
     float lane[2][32];
     for (int r = 0; r < 2; r++)
-        for (int v = 0; v < 2 * halves; v++) _mm256_storeu_ps(lane[r] + 8 * v, acc[r][v]);
+        for (int v = 0; v < nv; v++) _mm256_storeu_ps(lane[r] + 8 * v, acc[r][v]);
     for (int t = 0; t < nt; t++) {
         out0[t] = lane[0][t];
         if (row1) out1[t] = lane[1][t];
