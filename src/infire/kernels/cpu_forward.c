@@ -1756,28 +1756,29 @@ static inline __attribute__((always_inline)) void q6k_row_block(const uint8_t *a
 }
 
 /* Q6_K rows with a batch's tokens side by side (QuantX.qu): the same integer sum per (row,
- * token, block) as rows_dots_k_typed's one-token form, in another order. Each block's codes
- * are unpacked once, as u - 32, for all of its tokens; the activations enter as x + 128
- * (vpmaddubsw takes one side unsigned), and the block's sum loses
+ * token, block) as rows_dots_k_typed's one-token form, in another order. Up to 16 rows
+ * (`rows`, `count` of them; out[r * TOKEN_BLOCK + t]) take each block in turn, so that the
+ * block's activations (8 KiB for 32 tokens) are read from L1 by every row: row by row
+ * through all blocks they came from L2 each time, at about the rate of the products. Each
+ * block's codes are unpacked once, as u - 32, for all of its tokens; the activations enter
+ * as x + 128 (vpmaddubsw takes one side unsigned), and the block's sum loses
  * 128 sum_g sc_g sum (u - 32), a constant of the row. Up to 16 tokens take 2 vectors of 8,
  * more 4. */
-static void rows_q6k_wide(const uint8_t *row0, const uint8_t *row1, int nt, const QuantX *x,
-                          float *out0, float *out1) {
+static void rows_q6k_wide(const uint8_t *const *rows, int count, int nt, const QuantX *x,
+                          float *out) {
     const int cols = x->cols, blocks = cols / QK_BLOCK, nv = nt > 16 ? 4 : 2;
-    const int count = row1 ? 2 : 1;
-    const uint8_t *rows[2] = {row0, row1};
     const __m256i ones = _mm256_set1_epi8(1), thirty_two = _mm256_set1_epi8(32);
     uint8_t w[8][32] __attribute__((aligned(32))); /* a row's codes u - 32, sub-blocks in k_slot order */
     int32_t sc[16] __attribute__((aligned(32)));   /* its scales as 16-bit pairs, the same order */
     __m256i isum[4] __attribute__((aligned(32)));
-    __m256 acc[2][4];
-    for (int r = 0; r < 2; r++)
+    __m256 acc[GROUP_ROWS][4];
+    for (int r = 0; r < count; r++)
         for (int v = 0; v < 4; v++) acc[r][v] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
-        for (int s = 0; s < 4; s++) prefetch_rows(GGML_Q6_K, row0, row1, 256L * b + 64 * s);
         const uint8_t *act = x->qu + (long)b * QK_BLOCK * TOKEN_BLOCK;
         for (int r = 0; r < count; r++) {
             const uint8_t *blk = rows[r] + 210L * b;
+            for (int s = 0; s < 4; s++) prefetch_rows(GGML_Q6_K, rows[r], NULL, 256L * b + 64 * s);
             const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
             const float d = half(blk + 208);
             __m256i o = _mm256_setzero_si256(), u[8], pair[8];
@@ -1787,10 +1788,13 @@ static void rows_q6k_wide(const uint8_t *row0, const uint8_t *row1, int nt, cons
                 u[j] = _mm256_sub_epi8(u[j], thirty_two);
                 o = _mm256_add_epi32(o, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, u[j]), pair[j]));
                 _mm256_store_si256((__m256i *)w[k_slot(j)], u[j]);
-                for (int h = 0; h < 2; h++) {
-                    const uint16_t g = (uint16_t)(int8_t)blk[192 + 2 * j + h];
-                    sc[2 * k_slot(j) + h] = (int32_t)(g | (uint32_t)g << 16);
-                }
+            }
+            { /* the scales of groups 2 j, 2 j + 1 of sub-block j at 2 k_slot(j), + 1 */
+                const __m256i lo = _mm256_unpacklo_epi16(sc16, sc16); /* 0-3, 8-11 as pairs */
+                const __m256i hi = _mm256_unpackhi_epi16(sc16, sc16); /* 4-7, 12-15 */
+                const __m256i a = _mm256_unpacklo_epi64(lo, hi), c = _mm256_unpackhi_epi64(lo, hi);
+                _mm256_store_si256((__m256i *)sc, _mm256_permute2x128_si256(a, c, 0x20));
+                _mm256_store_si256((__m256i *)(sc + 8), _mm256_permute2x128_si256(a, c, 0x31));
             }
             __m128i hs = _mm_add_epi32(_mm256_castsi256_si128(o), _mm256_extracti128_si256(o, 1));
             hs = _mm_add_epi32(hs, _mm_shuffle_epi32(hs, 0x4E));
@@ -1803,12 +1807,10 @@ static void rows_q6k_wide(const uint8_t *row0, const uint8_t *row1, int nt, cons
             }
         }
     }
-    float lane[2][32];
-    for (int r = 0; r < 2; r++)
-        for (int v = 0; v < nv; v++) _mm256_storeu_ps(lane[r] + 8 * v, acc[r][v]);
-    for (int t = 0; t < nt; t++) {
-        out0[t] = lane[0][t];
-        if (row1) out1[t] = lane[1][t];
+    for (int r = 0; r < count; r++) {
+        float lane[32];
+        for (int v = 0; v < nv; v++) _mm256_storeu_ps(lane + 8 * v, acc[r][v]);
+        memcpy(out + (long)r * TOKEN_BLOCK, lane, sizeof(float) * nt);
     }
 }
 
@@ -1929,9 +1931,7 @@ int infire_quant_isa(int wanted) {
 static inline void rows_dots(int type, const uint8_t *row0, const uint8_t *row1, int nt,
                              const QuantX *x, float *out0, float *out1) {
     if (!quant_isa) quant_isa = detect_quant_isa();
-    if (type == GGML_Q6_K && x->qu)
-        rows_q6k_wide(row0, row1, nt, x, out0, out1);
-    else if (quant_isa == 2)
+    if (quant_isa == 2)
         rows_dots_avx512(type, row0, row1, nt, x, out0, out1);
 #ifdef HAVE_AVXVNNI
     else if (quant_isa == 3 && vnni_form == 1)
@@ -2130,9 +2130,8 @@ static void quant_linear_impl(const QuantWeight *w, const float *bias, const flo
             const QuantPart *part = &w->parts[p];
             const int lo = begin - base > 0 ? begin - base : 0;
             const int hi = end - base < part_units(part) ? end - base : part_units(part);
-            for (int u = lo; u < hi; u++) {
+            for (int u = lo, units = 1; u < hi; u += units) {
                 const int r0 = u * unit_rows(part);
-                const int count = part->rows - r0 < unit_rows(part) ? part->rows - r0 : unit_rows(part);
                 if (part->interleaved) {
                     const uint8_t *group = part->data + (long)r0 * part->row_bytes;
                     if (quant_isa == 2 && !is_k_quant(part->type))
@@ -2142,15 +2141,26 @@ static void quant_linear_impl(const QuantWeight *w, const float *bias, const flo
                     store_group(y, ldy, accumulate, bias, first_row + r0, t0, nt, out);
                     continue;
                 }
+                /* Q6_K with the tokens side by side: 8 units (16 rows) a pass, sharing each
+                 * block's activations in L1; other rows a unit (2) at a time */
+                const int wide = part->type == GGML_Q6_K && qx.qu;
+                units = wide ? (hi - u < GROUP_ROWS / 2 ? hi - u : GROUP_ROWS / 2) : 1;
+                const int count = (part->rows < (u + units) * 2 ? part->rows : (u + units) * 2) - r0;
+                if (wide) {
+                    const uint8_t *rows[GROUP_ROWS];
+                    for (int k = 0; k < count; k++) rows[k] = quant_row(part, r0 + k);
+                    rows_q6k_wide(rows, count, nt, &qx, out);
+                }
                 for (int r = 0; r < count; r += 2) {
                     const int two = r + 1 < count;
+                    const float *o = wide ? out + r * TOKEN_BLOCK : out; /* the pair's outputs */
                     if (is_float_type(part->type)) {
                         for (int k = 0; k <= two; k++) {
                             dequant_row(part->type, quant_row(part, r0 + r + k), cols, row_f32);
                             for (int t = 0; t < nt; t++)
                                 out[k * TOKEN_BLOCK + t] = row_dot_f32(row_f32, x + (long)(t0 + t) * cols, cols);
                         }
-                    } else
+                    } else if (!wide)
                         rows_dots(part->type, quant_row(part, r0 + r),
                                   two ? quant_row(part, r0 + r + 1) : NULL, nt, &qx, out,
                                   out + TOKEN_BLOCK);
@@ -2162,7 +2172,7 @@ static void quant_linear_impl(const QuantWeight *w, const float *bias, const flo
                         filled = 0;
                     }
                     for (int k = 0; k <= two; k++)
-                        for (int t = 0; t < nt; t++) stage[t * GROUP_ROWS + at + k] = out[k * TOKEN_BLOCK + t];
+                        for (int t = 0; t < nt; t++) stage[t * GROUP_ROWS + at + k] = o[k * TOKEN_BLOCK + t];
                     filled |= (two ? 3u : 1u) << at;
                 }
             }
