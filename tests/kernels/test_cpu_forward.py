@@ -47,9 +47,12 @@ def test_tile_weight_is_a_lossless_permutation(dtype: torch.dtype):
         assert torch.equal(chunk, weight[0, order])
 
 
-def _runner(folder: Path, dtype: torch.dtype, prompt: list[int]) -> tuple[ModelRunner, Sequence]:
+def _runner(
+    folder: Path, dtype: torch.dtype, prompt: list[int], block_size: int = 16
+) -> tuple[ModelRunner, Sequence]:
     loaded = load_model(folder, dtype)
-    runner = ModelRunner(loaded.config, loaded.weights, CacheConfig(num_blocks=64), dtype)
+    cache = CacheConfig(num_blocks=64, block_size=block_size)
+    runner = ModelRunner(loaded.config, loaded.weights, cache, dtype)
     assert runner.fused_status == "active"
     seq = Sequence(
         seq_id=0, request_id="r", index=0, prompt_token_ids=prompt,
@@ -133,6 +136,40 @@ def test_prefill_and_decode_match_transformers(fixture: str, request: pytest.Fix
         out = reference(prompt.unsqueeze(0), use_cache=True)
     assert (ours - out.logits[0, -1]).abs().max().item() < 1e-4
     for _ in range(16):
+        token = int(out.logits[0, -1].argmax())
+        seq.token_ids.append(token)
+        ours = _fused_logits(runner, blocks, seq, 1)
+        with torch.no_grad():
+            out = reference(torch.tensor([[token]]), past_key_values=out.past_key_values)
+        assert (ours - out.logits[0, -1]).abs().max().item() < 1e-4
+
+
+def test_blocks_longer_than_a_span_attend_in_pieces(tiny_llama: Path):
+    """Blocks of 80 keys: a query's keys go 64 at a time (the span widened for all query
+    heads of a KV head), the second span cut at the block's end; the same logits as
+    transformers over a 150-token prompt and its next tokens."""
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    prompt = torch.randint(
+        0, reference.config.vocab_size, (150,), generator=torch.Generator().manual_seed(5)
+    )
+    runner, seq = _runner(tiny_llama, torch.float32, prompt.tolist(), block_size=80)
+    blocks = BlockManager(runner.num_blocks, runner.block_size)
+    holes = [
+        Sequence(
+            seq_id=i, request_id=f"h{i}", index=0, prompt_token_ids=[1], params=seq.params,
+            metrics=RequestMetrics(0.0), detokenizer=seq.detokenizer,
+        )
+        for i in (1, 2)
+    ]  # fmt: skip
+    for hole in holes:
+        assert blocks.allocate(hole, 1)
+    blocks.free(holes[0])  # the sequence's blocks are 0, 2, 3: a span may not run on
+    ours = _fused_logits(runner, blocks, seq, len(prompt))
+    assert seq.block_table == [0, 2]
+    with torch.no_grad():
+        out = reference(prompt.unsqueeze(0), use_cache=True)
+    assert (ours - out.logits[0, -1]).abs().max().item() < 1e-4
+    for _ in range(12):  # the context crosses 160, the second block's end
         token = int(out.logits[0, -1].argmax())
         seq.token_ids.append(token)
         ours = _fused_logits(runner, blocks, seq, 1)

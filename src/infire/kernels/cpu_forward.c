@@ -2508,15 +2508,6 @@ static inline __attribute__((always_inline)) void attend_blocks(
     softmax_end(&s, hd, out);
 }
 
-static inline __attribute__((always_inline)) void attend_impl(
-    const InfireModel *m, int layer, const float *q, int kv_head, const int32_t *table,
-    int context, float *out, const int bf16, const int fixed_hd) {
-    const int hd = fixed_hd ? fixed_hd : m->head_dim;
-    const long elem = bf16 ? 2 : 4, stride = (long)m->num_kv_heads * hd * elem, off = (long)kv_head * hd * elem;
-    attend_blocks(q, (const char *)kv_slot(m, layer, 0, 0) + off, (const char *)kv_slot(m, layer, 1, 0) + off,
-                  stride, table, m->block_size, context, hd, bf16, m->scale, out);
-}
-
 /* Exported: attention over a paged KV cache (one layer's k and v [slots, heads, head_dim],
  * float32 or bf16; slot = block * block_size + offset). Query i (q and out [n, heads,
  * head_dim] float32) sees the first context[i] keys of its sequence seq[i], whose blocks are
@@ -2544,29 +2535,79 @@ void infire_attend_paged(const float *q, const void *k, const void *v, int bf16,
     }
 }
 
-static void attend(const InfireModel *m, int layer, const float *q, int kv_head,
-                   const int32_t *table, int context, float *out) {
-    if (m->kv_bf16 && m->head_dim == 64)
-        attend_impl(m, layer, q, kv_head, table, context, out, 1, 64);
-    else if (m->kv_bf16)
-        attend_impl(m, layer, q, kv_head, table, context, out, 1, 0);
-    else if (m->head_dim == 64)
-        attend_impl(m, layer, q, kv_head, table, context, out, 0, 64);
-    else
-        attend_impl(m, layer, q, kv_head, table, context, out, 0, 0);
+/* A block's `count` bf16 keys or values (rows `stride` elements apart) widened into float rows
+ * of `hd`: exactly the values load8 reads from them. */
+static inline __attribute__((always_inline)) void widen_rows(const uint16_t *src, long stride,
+                                                             int count, const int hd, float *dst) {
+    for (int j = 0; j < count; j++)
+        for (int i = 0; i < hd; i += 8) _mm256_store_ps(dst + (long)j * hd + i, load8(src + j * stride, i, 1));
 }
 
+/* The `group` query heads of one KV head (q and out: group rows of hd) over the first
+ * `context` keys of a block table, together: each block's keys and values (DENSE_SPAN at
+ * most at a time) are read, and widened from bf16, once for all of them, while the next
+ * span's are fetched. Each head's arithmetic is attend_blocks' wherever a block holds at
+ * most DENSE_SPAN keys (the widening is exact): the same result. */
+static inline __attribute__((always_inline)) void attend_group_impl(
+    const InfireModel *m, int layer, const float *q, int group, int kv_head,
+    const int32_t *table, int context, float *out, const int bf16, const int fixed_hd) {
+    const int hd = fixed_hd ? fixed_hd : m->head_dim, bs = m->block_size;
+    const long elem = bf16 ? 2 : 4, stride = (long)m->num_kv_heads * hd * elem, off = (long)kv_head * hd * elem;
+    const char *k = (const char *)kv_slot(m, layer, 0, 0) + off, *v = (const char *)kv_slot(m, layer, 1, 0) + off;
+    Softmax s[group];
+    for (int h = 0; h < group; h++) softmax_start(&s[h], hd);
+    const int span = bs < DENSE_SPAN ? bs : DENSE_SPAN; /* keys widened at a time */
+    float scores[span + 8];
+    float kf[bf16 ? span * hd : 1] __attribute__((aligned(32))), vf[bf16 ? span * hd : 1] __attribute__((aligned(32)));
+    for (int start = 0, count; start < context; start += count) {
+        count = context - start < span ? context - start : span;
+        count = bs - start % bs < count ? bs - start % bs : count; /* within its block */
+        const char *kb = k + ((long)table[start / bs] * bs + start % bs) * stride, *vb = v + (kb - k);
+        if (start + count < context) { /* the next span's keys and values */
+            const int after = start + count;
+            const long next = ((long)table[after / bs] * bs + after % bs) * stride;
+            for (int j = 0; j < span && j < bs - after % bs && after + j < context; j++)
+                for (long o = 0; o < hd * elem; o += 64) {
+                    _mm_prefetch(k + next + j * stride + o, _MM_HINT_T0);
+                    _mm_prefetch(v + next + j * stride + o, _MM_HINT_T0);
+                }
+        }
+        long at = stride;
+        if (bf16) {
+            widen_rows((const uint16_t *)kb, stride / 2, count, hd, kf);
+            widen_rows((const uint16_t *)vb, stride / 2, count, hd, vf);
+            kb = (const char *)kf, vb = (const char *)vf, at = hd * 4;
+        }
+        for (int h = 0; h < group; h++)
+            attend_span(q + (long)h * hd, kb, vb, at, count, hd, 0, m->scale, scores, &s[h]);
+    }
+    for (int h = 0; h < group; h++) softmax_end(&s[h], hd, out + (long)h * hd);
+}
+
+static void attend_group(const InfireModel *m, int layer, const float *q, int group, int kv_head,
+                         const int32_t *table, int context, float *out) {
+    if (m->kv_bf16 && m->head_dim == 64)
+        attend_group_impl(m, layer, q, group, kv_head, table, context, out, 1, 64);
+    else if (m->kv_bf16)
+        attend_group_impl(m, layer, q, group, kv_head, table, context, out, 1, 0);
+    else if (m->head_dim == 64)
+        attend_group_impl(m, layer, q, group, kv_head, table, context, out, 0, 64);
+    else
+        attend_group_impl(m, layer, q, group, kv_head, table, context, out, 0, 0);
+}
+
+/* Per (token, KV head): its query heads together (attend_group). */
 static void attention(const InfireModel *m, int layer, const float *qkv, int n,
                       const int32_t *positions, const int32_t *seq_of_token,
                       const int32_t *block_tables, int max_blocks, float *out) {
     int hd = m->head_dim, nh = m->num_heads, nkv = m->num_kv_heads;
     int width = (nh + 2 * nkv) * hd, group = nh / nkv;
 #pragma omp for schedule(static)
-    for (int item = 0; item < n * nh; item++) {
-        int t = item / nh, h = item % nh;
-        attend(m, layer, qkv + (long)t * width + h * hd, h / group,
-               block_tables + (long)seq_of_token[t] * max_blocks, positions[t] + 1,
-               out + (long)t * nh * hd + h * hd);
+    for (int item = 0; item < n * nkv; item++) {
+        int t = item / nkv, g = item % nkv;
+        attend_group(m, layer, qkv + (long)t * width + (long)g * group * hd, group, g,
+                     block_tables + (long)seq_of_token[t] * max_blocks, positions[t] + 1,
+                     out + (long)t * nh * hd + (long)g * group * hd);
     }
 }
 
