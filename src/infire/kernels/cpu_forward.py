@@ -707,6 +707,7 @@ class CpuForward:
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in keep}
         self.weight_bytes = sum(storages.values())
         self._workspace = torch.empty(0)
+        self._logits = torch.empty(0)
 
     @classmethod
     def build(
@@ -743,6 +744,8 @@ class CpuForward:
 
         Token i is at positions[i] of sequence seq_of_token[i] (whose block table is
         block_tables[seq_of_token[i]]); its earlier context is in the pool or among the tokens.
+        The logits live in a buffer the next forward overwrites (the step's sampler reads
+        them first): a batch's fresh 6 MB took 4 ms a step to map and zero, 3% of the step.
         """
         n, num_logits = len(token_ids), len(logit_rows)
         width = max(len(t) for t in block_tables)
@@ -754,7 +757,9 @@ class CpuForward:
         need = self.lib.infire_forward_workspace(ctypes.byref(self.struct), n)
         if self._workspace.numel() < need:
             self._workspace = torch.empty(need)
-        logits = torch.empty(num_logits, self.vocab)
+        if self._logits.numel() < num_logits * self.vocab:
+            self._logits = torch.empty(num_logits * self.vocab)
+        logits = self._logits[: num_logits * self.vocab].view(num_logits, self.vocab)
         args = (longs[:n], pos, cos, sin, longs[n:], seqs, tables)
         self.lib.infire_forward(
             ctypes.byref(self.struct), ctypes.c_int(n), *(_ptr(t.data_ptr()) for t in args),
