@@ -32,7 +32,10 @@ llama-cpp-python's C API in `.bench-venv`. Measures:
   (benchmarks/int8_peak.c: no memory traffic, independent chains); the same ops at the
   rates of infire's own AVX2 K-quant kernels' inner loops run alone in registers (each
   type's ops at its loop's rate: what those kernels reach if nothing outside their inner
-  loop took time); and the kernel's own rate at batch 32 on a weight that stays in cache.
+  loop took time); at the rates of the whole kernels (unpacking, mins, conversion to
+  float) on weights that stay in L2, both threads at once (what the matmuls alone take
+  with the weights' streaming free); and the kernel's own rate at batch 32 through
+  `quant_linear` (its call and quantization included) on a weight that stays in cache.
 
 Results go to benchmarks/results/gguf.json and docs/benchmarks-gguf.png.
 
@@ -269,7 +272,8 @@ def int8_peaks() -> dict[str, float]:
     """Int8 products a second (2 ops each) of each instruction mix in int8_peak.c, on
     THREADS threads: "isa" (the instruction set's cheapest products), "k_quant" and
     "legacy" (llama.cpp's arithmetic), in AVX512-VNNI where the CPU has it, else AVX2; and
-    there the inner loops of infire's batch kernels for Q4_K and Q6_K (kernel_loops.c)."""
+    there the inner loops of infire's batch kernels for Q4_K and Q6_K and the whole kernels
+    on weights in L2 (kernel_loops.c)."""
     import ctypes
 
     import torch
@@ -292,10 +296,11 @@ def int8_peaks() -> dict[str, float]:
             raise RuntimeError(loops)
     calls = {mix: getattr(lib, f"peak_{name}") for mix, name in runs.items()}
     if quant_isa() != "avx512-vnni":
-        calls.update(q4k_inner=loops.loop_q4k_wide, q6k_inner=loops.loop_q6k_wide)
-    iters = {
-        mix: {"q4k_inner": 500_000, "q6k_inner": 500_000}.get(mix, 20_000_000) for mix in calls
-    }
+        calls.update(q4k_inner=loops.loop_q4k_wide, q6k_inner=loops.loop_q6k_wide,
+                     q4k_whole=loops.loop_q4k_whole, q6k_whole=loops.loop_q6k_whole)  # fmt: skip
+    loop_iters = {"q4k_inner": 500_000, "q6k_inner": 500_000, "q4k_whole": 20_000,
+                  "q6k_whole": 20_000}  # fmt: skip
+    iters = {mix: loop_iters.get(mix, 20_000_000) for mix in calls}
     for mix, run in calls.items():
         run.restype, run.argtypes = ctypes.c_long, [ctypes.c_long]
         run(iters[mix] // 20)
@@ -372,10 +377,11 @@ def batch_ops(weights: object, sizes: dict) -> dict[int, float]:
     return ops
 
 
-def inner_ceiling(ops: dict[int, float], peaks: dict[str, float]) -> float | None:
-    """Seconds of the ops at the rates of infire's AVX2 batch kernels' inner loops (Q4_K's
-    and Q6_K's), or None where a type has no such loop here."""
-    rates = {12: peaks.get("q4k_inner", 0), 14: peaks.get("q6k_inner", 0)}
+def kernel_seconds(ops: dict[int, float], peaks: dict[str, float], form: str) -> float | None:
+    """Seconds of the ops at the rates of infire's AVX2 batch kernels for Q4_K and Q6_K:
+    their inner loops alone (`form` "inner") or the whole kernels on weights in L2
+    ("whole"); None where a type has no such loop here."""
+    rates = {12: peaks.get(f"q4k_{form}", 0), 14: peaks.get(f"q6k_{form}", 0)}
     if any(not rates.get(kind) for kind in ops):
         return None
     return sum(n / rates[kind] for kind, n in ops.items())
@@ -425,7 +431,8 @@ def main() -> None:
         kind = int(gguf.GGMLQuantizationType[weights.type_counts()[0][0]])  # the most bytes
         mix = "k_quant" if kind in (12, 13, 14) else "legacy"
         by_type = batch_ops(weights, sizes)
-        ops, inner = sum(by_type.values()), inner_ceiling(by_type, peaks)
+        ops = sum(by_type.values())
+        inner, whole = (kernel_seconds(by_type, peaks, form) for form in ("inner", "whole"))
         outputs = sizes["batch"] * sizes["batch_tokens"]
         row["ceiling"] = {
             "batch_ops": ops, "mix": mix, "type": kind,
@@ -433,6 +440,7 @@ def main() -> None:
             "peak_tok_s": outputs / (ops / peaks[mix]),
             "isa_tok_s": outputs / (ops / peaks["isa"]),
             "inner_tok_s": outputs / inner if inner else None,
+            "whole_tok_s": outputs / whole if whole else None,
             "kernel_gops": {str(k): kernel_rate(k, SHAPE["hidden"]) / 1e9 for k in by_type},
         }  # fmt: skip
     # the machine's bandwidth and llama.cpp's own speed drift over minutes: every engine
@@ -474,7 +482,8 @@ def main() -> None:
         if c["inner_tok_s"]:
             split = ", ".join(f"type {k} {v / 1e12:.2f} T" for k, v in c["ops_by_type"].items())
             print(f"{label}: ({split}) at infire's kernels' inner loops alone <= "
-                  f"{c['inner_tok_s']:.0f} tok/s")  # fmt: skip
+                  f"{c['inner_tok_s']:.0f} tok/s, at the whole kernels' rate in cache <= "
+                  f"{c['whole_tok_s']:.0f} tok/s (the matmuls alone)")  # fmt: skip
     print()
     print(
         "| file | engine | decode tok/s | prefill tok/s | batch-32 tok/s | peak RSS MB | roofline |"

@@ -67,3 +67,74 @@ long loop_q6k_wide(long iters) {
     }
     return total;
 }
+
+/* The whole batch kernels, as served, on weights that stay in L2 (a [128, 1024] Q4_K
+ * weight in groups of 16 rows, a [64, 1024] Q6_K one): their inner loops with the codes'
+ * unpacking, the mins, the conversion to float and the stores, but no weight traffic from
+ * memory and nothing of the forward around them: the rate the served products could reach
+ * with the weights' streaming free. */
+#define WHOLE_COLS 1024
+
+static void whole_acts(QuantX *x, int8_t *qt, uint8_t *qu, int32_t *mt, float *dt) {
+    const int blocks = WHOLE_COLS / QK_BLOCK;
+    for (int i = 0; i < TOKEN_BLOCK * WHOLE_COLS; i++) {
+        qt[i] = (int8_t)(i * 7 + 1);
+        qu[i] = (uint8_t)(qt[i] ^ 0x80);
+    }
+    for (int i = 0; i < TOKEN_BLOCK * 4 * blocks; i++) mt[i] = (i * 13) & 0x03ff03ff;
+    for (int i = 0; i < TOKEN_BLOCK * blocks; i++) dt[i] = 0.01f;
+    memset(x, 0, sizeof *x);
+    x->qt = qt, x->qu = qu, x->mt = mt, x->dt = dt, x->cols = WHOLE_COLS;
+}
+
+static void whole_weight(uint8_t *w, long bytes, long block, int at, int halves) {
+    for (long i = 0; i < bytes; i++) w[i] = (uint8_t)(i * 2654435761u >> 13);
+    for (long b = 0; b < bytes / block; b++) /* finite fp16 scales (0.01) */
+        for (int h = 0; h < halves; h++) memcpy(w + b * block + at + 2 * h, &(uint16_t){0x211f}, 2);
+}
+
+long loop_q4k_whole(long iters) {
+    long total = 0;
+#pragma omp parallel reduction(+ : total)
+    {
+        enum { GROUPS = 8, BLOCKS = WHOLE_COLS / QK_BLOCK };
+        const long group = BLOCKS * GROUP_ROWS * 144L;
+        uint8_t *w = aligned_alloc(64, GROUPS * group);
+        int8_t *qt = aligned_alloc(64, TOKEN_BLOCK * WHOLE_COLS);
+        uint8_t *qu = aligned_alloc(64, TOKEN_BLOCK * WHOLE_COLS);
+        int32_t *mt = aligned_alloc(64, TOKEN_BLOCK * 4 * BLOCKS * 4);
+        float *dt = aligned_alloc(64, TOKEN_BLOCK * BLOCKS * 4), out[GROUP_ROWS * TOKEN_BLOCK];
+        QuantX x;
+        whole_acts(&x, qt, qu, mt, dt);
+        whole_weight(w, GROUPS * group, GROUP_ROWS * 144L, 0, 2 * GROUP_ROWS); /* d, dmin */
+        for (long i = 0; i < iters; i++) rows16_q4k_wide(w + (i % GROUPS) * group, TOKEN_BLOCK, &x, out);
+        loop_sink = (int)out[3];
+        free(w), free(qt), free(qu), free(mt), free(dt);
+        total = iters * GROUP_ROWS * WHOLE_COLS * TOKEN_BLOCK;
+    }
+    return total;
+}
+
+long loop_q6k_whole(long iters) {
+    long total = 0;
+#pragma omp parallel reduction(+ : total)
+    {
+        enum { ROWS = 64, BLOCKS = WHOLE_COLS / QK_BLOCK };
+        uint8_t *w = aligned_alloc(64, ROWS * BLOCKS * 210L);
+        int8_t *qt = aligned_alloc(64, TOKEN_BLOCK * WHOLE_COLS);
+        uint8_t *qu = aligned_alloc(64, TOKEN_BLOCK * WHOLE_COLS);
+        int32_t *mt = aligned_alloc(64, TOKEN_BLOCK * 4 * BLOCKS * 4);
+        float *dt = aligned_alloc(64, TOKEN_BLOCK * BLOCKS * 4), out[GROUP_ROWS * TOKEN_BLOCK];
+        QuantX x;
+        whole_acts(&x, qt, qu, mt, dt);
+        whole_weight(w, ROWS * BLOCKS * 210L, 210, 208, 1); /* d at the block's end */
+        const uint8_t *rows[ROWS];
+        for (int r = 0; r < ROWS; r++) rows[r] = w + r * BLOCKS * 210L;
+        for (long i = 0; i < iters; i++) /* 16 rows a pass, as served */
+            rows_q6k_wide(rows + GROUP_ROWS * (i % (ROWS / GROUP_ROWS)), GROUP_ROWS, TOKEN_BLOCK, &x, out);
+        loop_sink = (int)out[3];
+        free(w), free(qt), free(qu), free(mt), free(dt);
+        total = iters * GROUP_ROWS * WHOLE_COLS * TOKEN_BLOCK;
+    }
+    return total;
+}
