@@ -75,8 +75,14 @@ long loop_q6k_wide(long iters) {
  * with the weights' streaming free. */
 #define WHOLE_COLS 1024
 
-static void whole_acts(QuantX *x, int8_t *qt, uint8_t *qu, int32_t *mt, float *dt) {
+/* 32 tokens' activations side by side, as tokens_side_by_side leaves them (whole_free
+ * frees them). */
+static void whole_acts(QuantX *x) {
     const int blocks = WHOLE_COLS / QK_BLOCK;
+    int8_t *qt = aligned_alloc(64, TOKEN_BLOCK * WHOLE_COLS);
+    uint8_t *qu = aligned_alloc(64, TOKEN_BLOCK * WHOLE_COLS);
+    int32_t *mt = aligned_alloc(64, TOKEN_BLOCK * 4 * blocks * 4);
+    float *dt = aligned_alloc(64, TOKEN_BLOCK * blocks * 4);
     for (int i = 0; i < TOKEN_BLOCK * WHOLE_COLS; i++) {
         qt[i] = (int8_t)(i * 7 + 1);
         qu[i] = (uint8_t)(qt[i] ^ 0x80);
@@ -85,6 +91,10 @@ static void whole_acts(QuantX *x, int8_t *qt, uint8_t *qu, int32_t *mt, float *d
     for (int i = 0; i < TOKEN_BLOCK * blocks; i++) dt[i] = 0.01f;
     memset(x, 0, sizeof *x);
     x->qt = qt, x->qu = qu, x->mt = mt, x->dt = dt, x->cols = WHOLE_COLS;
+}
+
+static void whole_free(QuantX *x) {
+    free((void *)x->qt), free((void *)x->qu), free((void *)x->mt), free((void *)x->dt);
 }
 
 static void whole_weight(uint8_t *w, long bytes, long block, int at, int halves) {
@@ -100,16 +110,13 @@ long loop_q4k_whole(long iters) {
         enum { GROUPS = 8, BLOCKS = WHOLE_COLS / QK_BLOCK };
         const long group = BLOCKS * GROUP_ROWS * 144L;
         uint8_t *w = aligned_alloc(64, GROUPS * group);
-        int8_t *qt = aligned_alloc(64, TOKEN_BLOCK * WHOLE_COLS);
-        uint8_t *qu = aligned_alloc(64, TOKEN_BLOCK * WHOLE_COLS);
-        int32_t *mt = aligned_alloc(64, TOKEN_BLOCK * 4 * BLOCKS * 4);
-        float *dt = aligned_alloc(64, TOKEN_BLOCK * BLOCKS * 4), out[GROUP_ROWS * TOKEN_BLOCK];
+        float out[GROUP_ROWS * TOKEN_BLOCK];
         QuantX x;
-        whole_acts(&x, qt, qu, mt, dt);
+        whole_acts(&x);
         whole_weight(w, GROUPS * group, GROUP_ROWS * 144L, 0, 2 * GROUP_ROWS); /* d, dmin */
         for (long i = 0; i < iters; i++) rows16_q4k_wide(w + (i % GROUPS) * group, TOKEN_BLOCK, &x, out);
         loop_sink = (int)out[3];
-        free(w), free(qt), free(qu), free(mt), free(dt);
+        free(w), whole_free(&x);
         total = iters * GROUP_ROWS * WHOLE_COLS * TOKEN_BLOCK;
     }
     return total;
@@ -121,19 +128,16 @@ long loop_q6k_whole(long iters) {
     {
         enum { ROWS = 64, BLOCKS = WHOLE_COLS / QK_BLOCK };
         uint8_t *w = aligned_alloc(64, ROWS * BLOCKS * 210L);
-        int8_t *qt = aligned_alloc(64, TOKEN_BLOCK * WHOLE_COLS);
-        uint8_t *qu = aligned_alloc(64, TOKEN_BLOCK * WHOLE_COLS);
-        int32_t *mt = aligned_alloc(64, TOKEN_BLOCK * 4 * BLOCKS * 4);
-        float *dt = aligned_alloc(64, TOKEN_BLOCK * BLOCKS * 4), out[GROUP_ROWS * TOKEN_BLOCK];
+        float out[GROUP_ROWS * TOKEN_BLOCK];
         QuantX x;
-        whole_acts(&x, qt, qu, mt, dt);
+        whole_acts(&x);
         whole_weight(w, ROWS * BLOCKS * 210L, 210, 208, 1); /* d at the block's end */
         const uint8_t *rows[ROWS];
         for (int r = 0; r < ROWS; r++) rows[r] = w + r * BLOCKS * 210L;
         for (long i = 0; i < iters; i++) /* 16 rows a pass, as served */
             rows_q6k_wide(rows + GROUP_ROWS * (i % (ROWS / GROUP_ROWS)), GROUP_ROWS, TOKEN_BLOCK, &x, out);
         loop_sink = (int)out[3];
-        free(w), free(qt), free(qu), free(mt), free(dt);
+        free(w), whole_free(&x);
         total = iters * GROUP_ROWS * WHOLE_COLS * TOKEN_BLOCK;
     }
     return total;

@@ -111,6 +111,25 @@ def tiny_qwen3_moe_raw(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _tiny_qwen3_moe(tmp_path_factory, False)
 
 
+def _match_reference(
+    reference: transformers.PreTrainedModel, runner: ModelRunner, blocks: BlockManager,
+    seq: Sequence, prompt: torch.Tensor, steps: int,
+) -> None:  # fmt: skip
+    """The fused forward's logits of the prompt's last token, then of `steps` greedy tokens,
+    equal transformers' (fp32) within 1e-4."""
+    ours = _fused_logits(runner, blocks, seq, len(prompt))
+    with torch.no_grad():
+        out = reference(prompt.unsqueeze(0), use_cache=True)
+    assert (ours - out.logits[0, -1]).abs().max().item() < 1e-4
+    for _ in range(steps):
+        token = int(out.logits[0, -1].argmax())
+        seq.token_ids.append(token)
+        ours = _fused_logits(runner, blocks, seq, 1)
+        with torch.no_grad():
+            out = reference(torch.tensor([[token]]), past_key_values=out.past_key_values)
+        assert (ours - out.logits[0, -1]).abs().max().item() < 1e-4
+
+
 @pytest.mark.parametrize(
     "fixture",
     [
@@ -131,17 +150,7 @@ def test_prefill_and_decode_match_transformers(fixture: str, request: pytest.Fix
     runner, seq = _runner(folder, torch.float32, prompt.tolist())
     blocks = BlockManager(runner.num_blocks, runner.block_size)
 
-    ours = _fused_logits(runner, blocks, seq, len(prompt))
-    with torch.no_grad():
-        out = reference(prompt.unsqueeze(0), use_cache=True)
-    assert (ours - out.logits[0, -1]).abs().max().item() < 1e-4
-    for _ in range(16):
-        token = int(out.logits[0, -1].argmax())
-        seq.token_ids.append(token)
-        ours = _fused_logits(runner, blocks, seq, 1)
-        with torch.no_grad():
-            out = reference(torch.tensor([[token]]), past_key_values=out.past_key_values)
-        assert (ours - out.logits[0, -1]).abs().max().item() < 1e-4
+    _match_reference(reference, runner, blocks, seq, prompt, 16)
 
 
 def test_blocks_longer_than_a_span_attend_in_pieces(tiny_llama: Path):
@@ -164,18 +173,8 @@ def test_blocks_longer_than_a_span_attend_in_pieces(tiny_llama: Path):
     for hole in holes:
         assert blocks.allocate(hole, 1)
     blocks.free(holes[0])  # the sequence's blocks are 0, 2, 3: a span may not run on
-    ours = _fused_logits(runner, blocks, seq, len(prompt))
-    assert seq.block_table == [0, 2]
-    with torch.no_grad():
-        out = reference(prompt.unsqueeze(0), use_cache=True)
-    assert (ours - out.logits[0, -1]).abs().max().item() < 1e-4
-    for _ in range(12):  # the context crosses 160, the second block's end
-        token = int(out.logits[0, -1].argmax())
-        seq.token_ids.append(token)
-        ours = _fused_logits(runner, blocks, seq, 1)
-        with torch.no_grad():
-            out = reference(torch.tensor([[token]]), past_key_values=out.past_key_values)
-        assert (ours - out.logits[0, -1]).abs().max().item() < 1e-4
+    _match_reference(reference, runner, blocks, seq, prompt, 12)  # past 160, the 2nd block's end
+    assert seq.block_table == [0, 2, 3]
 
 
 def test_bfloat16_matches_fp32_compute_on_bf16_weights(tiny_llama: Path):
