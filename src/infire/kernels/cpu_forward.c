@@ -1582,45 +1582,59 @@ static inline __attribute__((always_inline)) void wide_row_block(const int8_t *a
 #undef WIDE_SCALE
 }
 
+/* A Q4_K group block's codes as bytes ([sub-block in k_slot order][k][row]: 4 codes a row,
+ * as wide_row_block reads them), its scales as 16-bit pairs and its mins pairs per row. */
+static inline __attribute__((always_inline)) void q4k_group_unpack(const uint8_t *blk, uint8_t codes[8][8][64],
+                                                                   int32_t sc[8][GROUP_ROWS],
+                                                                   int32_t mn[4][GROUP_ROWS]) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int s = 0; s < 8; s++) /* sub-blocks in k_slot order, as the activations */
+        for (int k = 0; k < 8; k++) {
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(blk + 256 + 256 * s + 32 * k));
+            _mm256_store_si256((__m256i *)codes[k_slot(s)][k], _mm256_and_si256(c, low4));
+            _mm256_store_si256((__m256i *)(codes[k_slot(s)][k] + 32), _mm256_and_si256(_mm256_srli_epi16(c, 4), low4));
+        }
+    __m256i scv[2][8], mnv[2][4];
+    q4k_group_scales(blk, scv, mnv);
+    for (int h = 0; h < 2; h++) {
+        for (int s = 0; s < 8; s++) _mm256_store_si256((__m256i *)(sc[k_slot(s)] + 8 * h), scv[h][s]);
+        for (int c = 0; c < 4; c++) _mm256_store_si256((__m256i *)(mn[c] + 8 * h), mnv[h][c]);
+    }
+}
+
 /* Q4_K rows in groups of 16 with a batch's tokens side by side: the arithmetic of rows16_q4k
  * (the same integer sums, converted and scaled in the same float operations, so a product
  * does not depend on the kernel that made it), arranged the other way round. A block's codes
  * are unpacked once into bytes for all of the block's tokens; a row's 4 codes are broadcast
  * and meet a vector of 8 tokens' 4 activations (QuantX.qt) in one `vpmaddubsw`, so that
  * nothing but products and their 16-bit sums runs in the inner loop (rows16_q4k splits
- * nibbles and broadcasts activations there, 3 tokens a pass). `nv` vectors of 8 tokens. */
+ * nibbles and broadcasts activations there, 3 tokens a pass). `nv` vectors of 8 tokens.
+ * Each block's work runs in three stretches of one kind: the 16 rows' products (the
+ * assembly loops back to back), the next block's unpacking, this block's mins and
+ * conversion to float; unpacked before its products and converted after each row, the
+ * block ran each row's chain in turn (loop_q4k_whole 457 -> 473 GOP/s). */
 static inline __attribute__((always_inline)) void rows16_q4k_wide(const uint8_t *group, int nt,
                                                                   const QuantX *x, float *out) {
     const int nv = 4;
     const int cols = x->cols, blocks = cols / QK_BLOCK;
     const long size = GROUP_ROWS * 144;
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
     uint8_t codes[8][8][64] __attribute__((aligned(32))); /* [sub-block][k][row]: 4 codes a row */
-    int32_t sc[8][GROUP_ROWS] __attribute__((aligned(32))), mn[4][GROUP_ROWS] __attribute__((aligned(32)));
-    __m256i isum[4] __attribute__((aligned(32)));
+    int32_t sc[8][GROUP_ROWS] __attribute__((aligned(32))), mn[2][4][GROUP_ROWS] __attribute__((aligned(32)));
+    __m256i isum[GROUP_ROWS][4] __attribute__((aligned(32)));
     __m256 acc[GROUP_ROWS][4];
     for (int r = 0; r < GROUP_ROWS; r++)
         for (int v = 0; v < nv; v++) acc[r][v] = _mm256_setzero_ps();
+    prefetch_group_block(group, size);
+    q4k_group_unpack(group, codes, sc, mn[0]);
     for (int b = 0; b < blocks; b++) {
         const uint8_t *blk = group + b * size;
-        prefetch_group_block(blk, size);
-        for (int s = 0; s < 8; s++) /* sub-blocks in k_slot order, as the activations */
-            for (int k = 0; k < 8; k++) {
-                const __m256i c = _mm256_loadu_si256((const __m256i *)(blk + 256 + 256 * s + 32 * k));
-                _mm256_store_si256((__m256i *)codes[k_slot(s)][k], _mm256_and_si256(c, low4));
-                _mm256_store_si256((__m256i *)(codes[k_slot(s)][k] + 32), _mm256_and_si256(_mm256_srli_epi16(c, 4), low4));
-            }
-        {
-            __m256i scv[2][8], mnv[2][4];
-            q4k_group_scales(blk, scv, mnv);
-            for (int h = 0; h < 2; h++) {
-                for (int s = 0; s < 8; s++) _mm256_store_si256((__m256i *)(sc[k_slot(s)] + 8 * h), scv[h][s]);
-                for (int c = 0; c < 4; c++) _mm256_store_si256((__m256i *)(mn[c] + 8 * h), mnv[h][c]);
-            }
-        }
         const int8_t *act = x->qt + (long)b * QK_BLOCK * TOKEN_BLOCK;
+        for (int r = 0; r < GROUP_ROWS; r++) wide_row_block(act, codes[0][0] + 4 * r, sc[0] + r, isum[r]);
+        if (b + 1 < blocks) {
+            prefetch_group_block(blk + size, size);
+            q4k_group_unpack(blk + size, codes, sc, mn[(b + 1) & 1]);
+        }
         for (int r = 0; r < GROUP_ROWS; r++) {
-            wide_row_block(act, codes[0][0] + 4 * r, sc[0] + r, isum);
             const __m256 d = _mm256_set1_ps(half(blk + 2 * r));
             const __m256 dmin = _mm256_set1_ps(half(blk + 32 + 2 * r));
             for (int v = 0; v < nv; v++) {
@@ -1628,9 +1642,9 @@ static inline __attribute__((always_inline)) void rows16_q4k_wide(const uint8_t 
                 __m256i msum = _mm256_setzero_si256();
                 for (int c = 0; c < 4; c++) {
                     const __m256i pair = _mm256_load_si256((const __m256i *)(x->mt + ((long)b * 4 + c) * TOKEN_BLOCK + 8 * v));
-                    msum = _mm256_add_epi32(msum, _mm256_madd_epi16(_mm256_set1_epi32(mn[c][r]), pair));
+                    msum = _mm256_add_epi32(msum, _mm256_madd_epi16(_mm256_set1_epi32(mn[b & 1][c][r]), pair));
                 }
-                acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[v]), _mm256_mul_ps(d, dx), acc[r][v]);
+                acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][v]), _mm256_mul_ps(d, dx), acc[r][v]);
                 acc[r][v] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, dx), acc[r][v]);
             }
         }
@@ -1755,6 +1769,45 @@ static inline __attribute__((always_inline)) void q6k_row_block(const uint8_t *a
 #undef Q6_LOOP
 }
 
+/* Block b of Q6_K rows for rows_q6k_wide: per row its codes u - 32 (sub-blocks in k_slot
+ * order), its scales as 16-bit pairs (the same order), the constant 128 sum_g sc_g
+ * sum (u - 32) and d. */
+typedef struct {
+    uint8_t w[GROUP_ROWS][8][32] __attribute__((aligned(32)));
+    int32_t sc[GROUP_ROWS][16] __attribute__((aligned(32)));
+    int32_t off[GROUP_ROWS];
+    float d[GROUP_ROWS];
+} Q6Rows;
+
+static inline __attribute__((always_inline)) void q6k_rows_unpack(const uint8_t *const *rows, int count,
+                                                                  int b, Q6Rows *q) {
+    const __m256i ones = _mm256_set1_epi8(1), thirty_two = _mm256_set1_epi8(32);
+    for (int r = 0; r < count; r++) {
+        const uint8_t *blk = rows[r] + 210L * b;
+        for (int s = 0; s < 4; s++) prefetch_rows(GGML_Q6_K, rows[r], NULL, 256L * b + 64 * s);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        q->d[r] = half(blk + 208);
+        __m256i o = _mm256_setzero_si256(), u[8], pair[8];
+        q6k_codes(blk, u);
+        q6k_scale_pairs(sc16, pair);
+        for (int j = 0; j < 8; j++) {
+            u[j] = _mm256_sub_epi8(u[j], thirty_two);
+            o = _mm256_add_epi32(o, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, u[j]), pair[j]));
+            _mm256_store_si256((__m256i *)q->w[r][k_slot(j)], u[j]);
+        }
+        { /* the scales of groups 2 j, 2 j + 1 of sub-block j at 2 k_slot(j), + 1 */
+            const __m256i lo = _mm256_unpacklo_epi16(sc16, sc16); /* 0-3, 8-11 as pairs */
+            const __m256i hi = _mm256_unpackhi_epi16(sc16, sc16); /* 4-7, 12-15 */
+            const __m256i a = _mm256_unpacklo_epi64(lo, hi), c = _mm256_unpackhi_epi64(lo, hi);
+            _mm256_store_si256((__m256i *)q->sc[r], _mm256_permute2x128_si256(a, c, 0x20));
+            _mm256_store_si256((__m256i *)(q->sc[r] + 8), _mm256_permute2x128_si256(a, c, 0x31));
+        }
+        __m128i hs = _mm_add_epi32(_mm256_castsi256_si128(o), _mm256_extracti128_si256(o, 1));
+        hs = _mm_add_epi32(hs, _mm_shuffle_epi32(hs, 0x4E));
+        q->off[r] = 128 * _mm_cvtsi128_si32(_mm_add_epi32(hs, _mm_shuffle_epi32(hs, 0xB1)));
+    }
+}
+
 /* Q6_K rows with a batch's tokens side by side (QuantX.qu): the same integer sum per (row,
  * token, block) as rows_dots_k_typed's one-token form, in another order. Up to 16 rows
  * (`rows`, `count` of them; out[r * TOKEN_BLOCK + t]) take each block in turn, so that the
@@ -1762,48 +1815,29 @@ static inline __attribute__((always_inline)) void q6k_row_block(const uint8_t *a
  * through all blocks they came from L2 each time, at about the rate of the products. Each
  * block's codes are unpacked once, as u - 32, for all of its tokens; the activations enter
  * as x + 128 (vpmaddubsw takes one side unsigned), and the block's sum loses
- * 128 sum_g sc_g sum (u - 32), a constant of the row. Up to 16 tokens take 2 vectors of 8,
- * more 4. */
+ * 128 sum_g sc_g sum (u - 32), a constant of the row. As rows16_q4k_wide, a block's rows'
+ * products run back to back, then the next block's unpacking (q6k_rows_unpack), then this
+ * block's conversion to float (each row unpacked, multiplied and converted in turn:
+ * loop_q6k_whole 342 -> 354 GOP/s). Up to 16 tokens take 2 vectors of 8, more 4. */
 static void rows_q6k_wide(const uint8_t *const *rows, int count, int nt, const QuantX *x,
                           float *out) {
     const int cols = x->cols, blocks = cols / QK_BLOCK, nv = nt > 16 ? 4 : 2;
-    const __m256i ones = _mm256_set1_epi8(1), thirty_two = _mm256_set1_epi8(32);
-    uint8_t w[8][32] __attribute__((aligned(32))); /* a row's codes u - 32, sub-blocks in k_slot order */
-    int32_t sc[16] __attribute__((aligned(32)));   /* its scales as 16-bit pairs, the same order */
-    __m256i isum[4] __attribute__((aligned(32)));
+    Q6Rows q[2];
+    __m256i isum[GROUP_ROWS][4] __attribute__((aligned(32)));
     __m256 acc[GROUP_ROWS][4];
     for (int r = 0; r < count; r++)
         for (int v = 0; v < 4; v++) acc[r][v] = _mm256_setzero_ps();
+    q6k_rows_unpack(rows, count, 0, &q[0]);
     for (int b = 0; b < blocks; b++) {
         const uint8_t *act = x->qu + (long)b * QK_BLOCK * TOKEN_BLOCK;
+        const Q6Rows *cur = &q[b & 1];
+        for (int r = 0; r < count; r++) q6k_row_block(act, cur->w[r][0], cur->sc[r], nv, isum[r]);
+        if (b + 1 < blocks) q6k_rows_unpack(rows, count, b + 1, &q[(b + 1) & 1]);
         for (int r = 0; r < count; r++) {
-            const uint8_t *blk = rows[r] + 210L * b;
-            for (int s = 0; s < 4; s++) prefetch_rows(GGML_Q6_K, rows[r], NULL, 256L * b + 64 * s);
-            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
-            const float d = half(blk + 208);
-            __m256i o = _mm256_setzero_si256(), u[8], pair[8];
-            q6k_codes(blk, u);
-            q6k_scale_pairs(sc16, pair);
-            for (int j = 0; j < 8; j++) {
-                u[j] = _mm256_sub_epi8(u[j], thirty_two);
-                o = _mm256_add_epi32(o, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, u[j]), pair[j]));
-                _mm256_store_si256((__m256i *)w[k_slot(j)], u[j]);
-            }
-            { /* the scales of groups 2 j, 2 j + 1 of sub-block j at 2 k_slot(j), + 1 */
-                const __m256i lo = _mm256_unpacklo_epi16(sc16, sc16); /* 0-3, 8-11 as pairs */
-                const __m256i hi = _mm256_unpackhi_epi16(sc16, sc16); /* 4-7, 12-15 */
-                const __m256i a = _mm256_unpacklo_epi64(lo, hi), c = _mm256_unpackhi_epi64(lo, hi);
-                _mm256_store_si256((__m256i *)sc, _mm256_permute2x128_si256(a, c, 0x20));
-                _mm256_store_si256((__m256i *)(sc + 8), _mm256_permute2x128_si256(a, c, 0x31));
-            }
-            __m128i hs = _mm_add_epi32(_mm256_castsi256_si128(o), _mm256_extracti128_si256(o, 1));
-            hs = _mm_add_epi32(hs, _mm_shuffle_epi32(hs, 0x4E));
-            const int32_t off = 128 * _mm_cvtsi128_si32(_mm_add_epi32(hs, _mm_shuffle_epi32(hs, 0xB1)));
-            q6k_row_block(act, w[0], sc, nv, isum);
             for (int v = 0; v < nv; v++) {
                 const __m256 dx = _mm256_load_ps(x->dt + (long)b * TOKEN_BLOCK + 8 * v);
-                const __m256i total = _mm256_sub_epi32(isum[v], _mm256_set1_epi32(off));
-                acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(_mm256_set1_ps(d), dx), acc[r][v]);
+                const __m256i total = _mm256_sub_epi32(isum[r][v], _mm256_set1_epi32(cur->off[r]));
+                acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(_mm256_set1_ps(cur->d[r]), dx), acc[r][v]);
             }
         }
     }
