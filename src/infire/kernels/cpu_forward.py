@@ -9,8 +9,10 @@ not handle) `CpuForward.build` says why and the engine stays on the PyTorch path
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+import mmap
 import os
 from collections.abc import Callable
 from functools import cache
@@ -32,6 +34,7 @@ SOURCE = Path(__file__).with_name("cpu_forward.c")
 CFLAGS = ["-O3", "-std=gnu11", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp",
           "-shared", "-fPIC"]  # fmt: skip
 TILE_ROWS, TILE_COLS = 4, 16
+HUGE_PAGE = 2 << 20
 MAX_HEAD_DIM = 256
 
 _ptr = ctypes.c_void_p
@@ -167,9 +170,8 @@ def interleave_rows(part: GGUFBlocks, out: torch.Tensor | None = None) -> GGUFBl
 
 class Arena:
     """Memory for the interleaved copies, carved 64-byte aligned from chunks of 8 MiB
-    (a larger copy gets its own). Each chunk is its own mapping (glibc maps allocations
-    above its fixed 1 MiB threshold, native.bound_heap_retention), so the copies, a few
-    hundred KB each, do not sit in the C heap between a batch's scratch allocations,
+    (a larger copy gets its own). Each chunk is its own mapping (_chunk), so the copies,
+    a few hundred KB each, do not sit in the C heap between a batch's scratch allocations,
     where they would keep freed pages from being returned."""
 
     CHUNK = 8 << 20
@@ -178,14 +180,30 @@ class Arena:
         self.chunks: list[torch.Tensor] = []
         self.used = self.CHUNK
 
+    @staticmethod
+    def _chunk(size: int) -> torch.Tensor:
+        """size bytes of their own private mapping, 2 MiB-aligned and advised to the
+        kernel's transparent huge pages where it has them: the batch kernels stream these
+        copies once a step, and on 4 KiB pages that crosses a page (its TLB walk, the
+        hardware prefetchers' stop) every 4 KiB."""
+        flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+        if not flags:
+            return torch.empty(size, dtype=torch.uint8)
+        mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=flags)
+        with contextlib.suppress(AttributeError, OSError):
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        whole = np.frombuffer(mapping, dtype=np.uint8)  # keeps the mapping alive
+        start = -whole.ctypes.data % HUGE_PAGE
+        return torch.from_numpy(whole[start : start + size])
+
     def take(self, rows: int, row_bytes: int) -> torch.Tensor:
         """An uninitialized [rows, row_bytes] uint8 tensor."""
         size = rows * row_bytes
         if size > self.CHUNK:
-            self.chunks.append(torch.empty(size, dtype=torch.uint8))
+            self.chunks.append(self._chunk(size))
             return self.chunks[-1].view(rows, row_bytes)
         if self.used + size > self.CHUNK:
-            self.chunks.append(torch.empty(self.CHUNK, dtype=torch.uint8))
+            self.chunks.append(self._chunk(self.CHUNK))
             self.used = 0
         out = self.chunks[-1][self.used : self.used + size].view(rows, row_bytes)
         self.used += -(-size // 64) * 64
