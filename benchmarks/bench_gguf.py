@@ -15,7 +15,9 @@ auto, dtype auto), once with the CPU's best integer products and once with AVX2'
 `.bench-venv` llama.cpp is built without AVX-512), and llama.cpp through
 llama-cpp-python's C API in `.bench-venv`. Measures:
 - batch-1 decode tok/s: 128 greedy tokens after a 16-token prompt, the prompt's step
-  excluded;
+  excluded; the median of DECODE_REPEATS such runs in each engine's process (a few
+  seconds each: single runs of one infire build ranged over 51-71 tok/s within half an
+  hour on this machine);
 - prefill tok/s: one 512-token prompt to its first token;
 - batch-32 throughput: 32 prompts of 16 tokens, 64 tokens each, generated together
   (llama.cpp: one llama_batch of 32 sequences a step, as its `batched` example);
@@ -77,6 +79,7 @@ def engines() -> dict[str, tuple[str | None, bool]]:
 
 
 PROMPT, DECODE, PREFILL, BATCH, BATCH_TOKENS = 16, 128, 512, 32, 64
+DECODE_REPEATS = 3
 SHAPE = {"layers": 32, "hidden": 1024, "heads": 16, "kv_heads": 4, "intermediate": 4096}
 
 
@@ -121,7 +124,10 @@ def run_infire(path: str, sizes: dict, isa: str | None = None, repack: bool = Tr
 
     prompt = _prompts(1, sizes["prompt"], vocab)
     timed(prompt, 4)  # warm up (the kernel library, the pools)
-    decode = sizes["decode"] / (timed(prompt, sizes["decode"] + 1) - timed(prompt, 1))
+    decode = statistics.median(
+        sizes["decode"] / (timed(prompt, sizes["decode"] + 1) - timed(prompt, 1))
+        for _ in range(DECODE_REPEATS)
+    )
     prefill = sizes["prefill"] / timed(_prompts(1, sizes["prefill"], vocab), 1)
     batch = _prompts(sizes["batch"], sizes["prompt"], vocab)
     throughput = sizes["batch"] * sizes["batch_tokens"] / timed(batch, sizes["batch_tokens"])
@@ -181,7 +187,10 @@ def run_llamacpp(path: str, sizes: dict) -> dict:
 
     prompt = _prompts(1, sizes["prompt"], vocab)
     generate(prompt, 4)
-    rate = sizes["decode"] / (generate(prompt, sizes["decode"] + 1) - generate(prompt, 1))
+    rate = statistics.median(
+        sizes["decode"] / (generate(prompt, sizes["decode"] + 1) - generate(prompt, 1))
+        for _ in range(DECODE_REPEATS)
+    )
     prefill = sizes["prefill"] / generate(_prompts(1, sizes["prefill"], vocab), 1)
     prompts = _prompts(sizes["batch"], sizes["prompt"], vocab)
     throughput = sizes["batch"] * sizes["batch_tokens"] / generate(prompts, sizes["batch_tokens"])
