@@ -120,3 +120,25 @@ def test_adjusted_logits_have_the_bits_of_the_plain_expressions():
     assert torch.equal(
         adjusted.nan_to_num(7.0).view(torch.int32), plain.nan_to_num(7.0).view(torch.int32)
     )
+
+
+def test_kernel_argmax_is_torchs_on_ties_nan_and_inf():
+    """The greedy rows' argmax (the kernel library's on CPU float32): torch's first index
+    of the largest, NaN counting as the largest, on every row shape and edge."""
+    from infire.kernels.cpu_forward import argmax_rows, load_library
+
+    assert not isinstance(load_library(), str)  # the kernel's path, not torch's fallback
+    g = torch.Generator().manual_seed(0)
+    for rows, cols in ((32, 49152), (1, 49152), (3, 7), (2, 16), (4, 1001)):
+        for case in range(5):
+            x = torch.randn(rows, cols, generator=g)
+            if case == 1:  # ties everywhere: the first index wins
+                x = torch.randint(-3, 3, (rows, cols), generator=g).float()
+            elif case == 2:
+                x[:, 1::3] = float("nan")
+            elif case == 3:
+                x[:] = float("-inf")
+            elif case == 4:
+                x[0, cols // 2] = float("nan")
+                x[-1, -1] = float("inf")
+            assert torch.equal(argmax_rows(x), x.argmax(dim=-1)), (rows, cols, case)

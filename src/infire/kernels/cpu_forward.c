@@ -1252,11 +1252,18 @@ static inline AVX512 __attribute__((always_inline)) void rows_dots_q512_typed(
 }
 
 #define GROUP_AHEAD 8192 /* how far ahead of the products a group's bytes are fetched */
+#define GROUP_AHEAD_L2 32768 /* and how far ahead into L2 */
 
 /* Fetch into L1 the group's bytes GROUP_AHEAD past block `blk` of `size` bytes (groups lie
- * one after another: this runs on into the next group). */
+ * one after another: this runs on into the next group), and into L2 those GROUP_AHEAD_L2
+ * past it, so that the L1 fetch finds them there (Q4_K at 1024 columns streamed from
+ * memory, alternated 30 times in one process: median 371 -> 381 GOP/s, faster in 20; at
+ * 4096 columns no change). */
 static inline void prefetch_group_block(const uint8_t *blk, long size) {
-    for (long o = 0; o < size; o += 64) _mm_prefetch((const char *)blk + GROUP_AHEAD + o, _MM_HINT_T0);
+    for (long o = 0; o < size; o += 64) {
+        _mm_prefetch((const char *)blk + GROUP_AHEAD + o, _MM_HINT_T0);
+        _mm_prefetch((const char *)blk + GROUP_AHEAD_L2 + o, _MM_HINT_T1);
+    }
 }
 #define G_TOKENS 8        /* tokens whose interleaved-row sums stay in registers */
 
@@ -2320,6 +2327,47 @@ void infire_quant_linear(const QuantWeight *w, const float *x, int n, int cols, 
                          int rows) {
 #pragma omp parallel
     quant_linear_impl(w, NULL, x, n, cols, y, rows, 0);
+}
+
+/* Exported: out[r] = the index of the largest of x[r, :cols] for `rows` rows, the first
+ * where several are, a NaN counting as the largest (torch.argmax's answer), on the OpenMP
+ * threads: a pass for the maximum, then one for where it is first. */
+void infire_argmax_rows(const float *x, int rows, int cols, int64_t *out) {
+#pragma omp parallel for schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const float *v = x + (long)r * cols;
+        __m256 top = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 8 <= cols; i += 8) {
+            const __m256 a = _mm256_loadu_ps(v + i);
+            top = _mm256_max_ps(top, a);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+        }
+        float lanes[8], best = -INFINITY;
+        _mm256_storeu_ps(lanes, top);
+        for (int j = 0; j < 8; j++) best = lanes[j] > best ? lanes[j] : best;
+        int has_nan = _mm256_movemask_ps(nan) != 0;
+        for (; i < cols; i++) {
+            has_nan |= v[i] != v[i];
+            best = v[i] > best ? v[i] : best;
+        }
+        long at = 0;
+        if (has_nan)
+            while (v[at] == v[at]) at++;
+        else {
+            const __m256 b = _mm256_set1_ps(best);
+            for (at = 0; at + 8 <= cols; at += 8) {
+                const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + at), b, _CMP_EQ_OQ));
+                if (hit) {
+                    at += __builtin_ctz(hit);
+                    break;
+                }
+            }
+            if (at + 8 > cols)
+                while (v[at] != best) at++;
+        }
+        out[r] = at;
+    }
 }
 
 /* out = x / rms(x) * weight over one row of dim floats (out may be x) */

@@ -414,6 +414,22 @@ def quant_isa(wanted: str | None = None) -> str:
     return QUANT_ISAS[lib.infire_quant_isa(code)]
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) (the first index of each row's largest, NaN the largest) of a 2-D
+    float32 CPU tensor through the kernel library, else through torch. Torch's took 0.8
+    ms on a batch's 32 rows of a 49152-token vocabulary on 2 threads, ~0.7% of a batch-32
+    decode step of the 0.54B Q4_K_M."""
+    usable = x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
+    if not usable or not x.is_contiguous() or x.shape[1] == 0:
+        return x.argmax(dim=-1)
+    lib = load_library()
+    if isinstance(lib, str):
+        return x.argmax(dim=-1)
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    lib.infire_argmax_rows(_ptr(x.data_ptr()), x.shape[0], x.shape[1], _ptr(out.data_ptr()))
+    return out
+
+
 def quant_linear(weight: QuantWeight, x: torch.Tensor) -> torch.Tensor:
     """x [n, cols] float32 times a QuantWeight's transpose, through the forward's kernel."""
     lib = _library()

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from infire.kernels.cpu_forward import argmax_rows
+
 
 @dataclass(slots=True)
 class SamplingMetadata:
@@ -66,7 +68,7 @@ class Sampler:
             else:
                 logits[rows] = logits[rows].masked_fill_(meta.disallowed, float("-inf"))
         logits = adjust_logits(logits, meta)
-        greedy = logits.argmax(dim=-1)
+        greedy = argmax_rows(logits)
         tokens = greedy if meta.all_greedy else self._sample(logits, meta, greedy)
         if raw_logprobs is None:
             return SamplerOutput(token_ids=tokens.tolist())
