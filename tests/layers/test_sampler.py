@@ -142,3 +142,8 @@ def test_kernel_argmax_is_torchs_on_ties_nan_and_inf():
                 x[0, cols // 2] = float("nan")
                 x[-1, -1] = float("inf")
             assert torch.equal(argmax_rows(x), x.argmax(dim=-1)), (rows, cols, case)
+    logits = torch.randint(-3, 3, (4, 1001), generator=g).float()
+    logits[1, 7] = float("nan")
+    meta = _meta(4, temperature=torch.zeros(4), all_greedy=True)
+    out = Sampler(torch.Generator(), kernel_argmax=True)(logits, meta)
+    assert out.token_ids == logits.argmax(dim=-1).tolist()

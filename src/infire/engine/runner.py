@@ -172,7 +172,9 @@ class ModelRunner:
             self.model.drop_matmul_weights(embedding=self.fused.palette or self.fused.quantized)
         elif self.device.type == "cpu":
             self.model.pack_for_cpu()
-        self.sampler = Sampler(torch.Generator(self.device).manual_seed(seed))
+        self.sampler = Sampler(
+            torch.Generator(self.device).manual_seed(seed), kernel_argmax=self.fused is not None
+        )
         self.sampling_state = SamplingState(config.vocab_size, self.device)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not enforce_eager and self.triton and not sharded:

@@ -52,8 +52,11 @@ class SamplerOutput:
 class Sampler:
     """Samples one token per row of a logits matrix."""
 
-    def __init__(self, generator: torch.Generator) -> None:
+    def __init__(self, generator: torch.Generator, kernel_argmax: bool = False) -> None:
         self.generator = generator
+        # greedy rows' argmax through the CPU kernel library (where the fused forward
+        # runs, so that --no-cpu-kernels stays all PyTorch): the same indices, faster
+        self.kernel_argmax = kernel_argmax
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         raw_logprobs = (
@@ -68,7 +71,7 @@ class Sampler:
             else:
                 logits[rows] = logits[rows].masked_fill_(meta.disallowed, float("-inf"))
         logits = adjust_logits(logits, meta)
-        greedy = argmax_rows(logits)
+        greedy = argmax_rows(logits) if self.kernel_argmax else logits.argmax(dim=-1)
         tokens = greedy if meta.all_greedy else self._sample(logits, meta, greedy)
         if raw_logprobs is None:
             return SamplerOutput(token_ids=tokens.tolist())
