@@ -253,6 +253,31 @@ def test_rows_interleaved_in_groups_of_16_hold_the_same_blocks(qtype: T, isa: st
         assert np.array_equal(quant_linear(w, torch.from_numpy(x[:n])).numpy(), y[:n])
 
 
+def test_units_taken_in_any_runs_give_the_same_products_bit_for_bit() -> None:
+    """A linear's threads take units (groups of 16 interleaved rows, pairs of others) in
+    runs, a thread done with its own share taking the rest of another's from its back:
+    cut anywhere (inside a part, a window of 16 rows, the Q6_K kernel's passes of 16 rows)
+    and taken last run first, the units give exactly the products of the whole weight."""
+    rng = np.random.default_rng(41)
+    cols = 512
+    grouped = interleave_rows(
+        (int(T.Q4_K), torch.from_numpy(blocks(rng.standard_normal((48, cols)) * 0.1, T.Q4_K)), None)
+    )
+    parts = [grouped if can_interleave(grouped) else (grouped[0], grouped[1], None)]
+    for rows, qtype in ((37, T.Q6_K), (5, T.Q5_0)):
+        values = (rng.standard_normal((rows, cols)) * 0.1).astype(np.float32)
+        parts.append((int(qtype), torch.from_numpy(blocks(values, qtype)), None))
+    w = QuantWeight(parts, [can_interleave(grouped), False, False])
+    units = (3 if can_interleave(grouped) else 24) + 19 + 3
+    x = torch.from_numpy(rng.standard_normal((37, cols)).astype(np.float32))
+    for n in (1, 12, 32, 37):
+        whole = quant_linear(w, x[:n])
+        assert torch.equal(quant_linear(w, x[:n], [0, units]), whole)
+        for _ in range(4):
+            cuts = sorted(rng.choice(np.arange(1, units), size=6, replace=False).tolist())
+            assert torch.equal(quant_linear(w, x[:n], [0, *cuts, units]), whole), (n, cuts)
+
+
 def test_only_whole_rows_in_sixteens_of_some_types_interleave() -> None:
     rng = np.random.default_rng(5)
     values = (rng.standard_normal((32, 512)) * 0.1).astype(np.float32)

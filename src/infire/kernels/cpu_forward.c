@@ -2111,14 +2111,124 @@ static void tokens_side_by_side(const int8_t *qk, const float *dk, const int16_t
     }
 }
 
+/* A team's shares of the units of a linear (groups of 16 interleaved rows, pairs of
+ * others), one slot a thread, shared by the threads of a parallel region (the caller's,
+ * declared before it, zeroed). A slot's word holds the token block's number (16 bits) and
+ * the thread's share still to run, [front, back) (24 bits each): its thread takes runs
+ * from the front, a thread done with its own takes half of what is left from the back.
+ * The products are the same whichever thread runs a unit; taking moves work from a thread
+ * the machine slows for a while to the others, which would otherwise wait for it at the
+ * barrier (static shares on this 2-core VM: the threads' waits at the linears' barriers
+ * were ~8% of a batch-32 decode step in busy hours). */
+#define MAX_TEAM 64
+typedef struct {
+    uint64_t word; /* read and written with __atomic builtins */
+    uint32_t blocks; /* token blocks this thread has run through quant_linear_impl */
+    char pad[52];
+} __attribute__((aligned(64))) TeamSlot;
+typedef struct {
+    TeamSlot slot[MAX_TEAM];
+} Team;
+
+static inline uint64_t share_word(unsigned gen, unsigned front, unsigned back) {
+    return (uint64_t)(gen & 0xFFFFu) << 48 | (uint64_t)front << 24 | back;
+}
+
+/* Units [*u0, *u1) taken from the slot's share of token block `gen`: up to `want` from its
+ * front (by its own thread), or (want 0) half of those left, rounded down, from its back;
+ * 0 where none is left or the slot is on another block. */
+static inline int take_units(TeamSlot *slot, unsigned gen, int want, int *u0, int *u1) {
+    uint64_t w = __atomic_load_n(&slot->word, __ATOMIC_RELAXED);
+    for (;;) {
+        const int front = (int)(w >> 24 & 0xFFFFFF), back = (int)(w & 0xFFFFFF);
+        if ((unsigned)(w >> 48) != (gen & 0xFFFFu) || front >= back) return 0;
+        const int take = want ? (back - front < want ? back - front : want) : (back - front) / 2;
+        if (take <= 0) return 0;
+        const uint64_t next = want ? share_word(gen, front + take, back) : share_word(gen, front, back - take);
+        if (__atomic_compare_exchange_n(&slot->word, &w, next, 1, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+            *u0 = want ? front : back - take;
+            *u1 = want ? front + take : back;
+            return 1;
+        }
+    }
+}
+
+/* The products of units [begin, end) of a QuantWeight (counted over its parts in
+ * order) for tokens t0 .. t0 + nt - 1, stored into y. */
+static void quant_units(const QuantWeight *w, const float *bias, const float *x, int cols,
+                        float *y, int ldy, int accumulate, const QuantX *qx, int t0, int nt,
+                        int begin, int end, float *row_f32, float *out, float *stage) {
+    int base = 0, first_row = 0, window = -GROUP_ROWS;
+    unsigned filled = 0;
+    for (int p = 0; p < w->num_parts; p++) {
+        const QuantPart *part = &w->parts[p];
+        const int lo = begin - base > 0 ? begin - base : 0;
+        const int hi = end - base < part_units(part) ? end - base : part_units(part);
+        for (int u = lo, units = 1; u < hi; u += units) {
+            const int r0 = u * unit_rows(part);
+            if (part->interleaved) {
+                const uint8_t *group = part->data + (long)r0 * part->row_bytes;
+                if (quant_isa == 2 && !is_k_quant(part->type))
+                    rows16_dots512(part->type, group, nt, qx, out);
+                else
+                    rows16_dots256(part->type, group, nt, qx, out);
+                store_group(y, ldy, accumulate, bias, first_row + r0, t0, nt, out);
+                continue;
+            }
+            /* Q6_K with the tokens side by side: 8 units (16 rows) a pass, sharing each
+             * block's activations in L1; other rows a unit (2) at a time */
+            const int wide = part->type == GGML_Q6_K && qx->qu;
+            units = wide ? (hi - u < GROUP_ROWS / 2 ? hi - u : GROUP_ROWS / 2) : 1;
+            const int count = (part->rows < (u + units) * 2 ? part->rows : (u + units) * 2) - r0;
+            if (wide) {
+                const uint8_t *rows[GROUP_ROWS];
+                for (int k = 0; k < count; k++) rows[k] = quant_row(part, r0 + k);
+                rows_q6k_wide(rows, count, nt, qx, out);
+            }
+            for (int r = 0; r < count; r += 2) {
+                const int two = r + 1 < count;
+                const float *o = wide ? out + r * TOKEN_BLOCK : out; /* the pair's outputs */
+                if (is_float_type(part->type)) {
+                    for (int k = 0; k <= two; k++) {
+                        dequant_row(part->type, quant_row(part, r0 + r + k), cols, row_f32);
+                        for (int t = 0; t < nt; t++)
+                            out[k * TOKEN_BLOCK + t] = row_dot_f32(row_f32, x + (long)(t0 + t) * cols, cols);
+                    }
+                } else if (!wide)
+                    rows_dots(part->type, quant_row(part, r0 + r),
+                              two ? quant_row(part, r0 + r + 1) : NULL, nt, qx, out,
+                              out + TOKEN_BLOCK);
+                /* into the window of 16 rows, stored a whole window at a time */
+                const int row = r0 + r, at = row % GROUP_ROWS;
+                if (row - at != window) {
+                    flush_window(y, ldy, accumulate, bias, first_row + window, filled, t0, nt, stage);
+                    window = row - at;
+                    filled = 0;
+                }
+                for (int k = 0; k <= two; k++)
+                    for (int t = 0; t < nt; t++) stage[t * GROUP_ROWS + at + k] = o[k * TOKEN_BLOCK + t];
+                filled |= (two ? 3u : 1u) << at;
+            }
+        }
+        flush_window(y, ldy, accumulate, bias, first_row + window, filled, t0, nt, stage);
+        window = -GROUP_ROWS;
+        filled = 0;
+        base += part_units(part);
+        first_row += part->rows;
+    }
+}
+
 /* y[t, :rows] (+)= W x[t] (+ bias) for a QuantWeight, inside a parallel region: per block
  * of tokens each thread quantizes their activations (cheap next to the product: per 32
  * values where a legacy part needs them, per 256 where a K-quant part does), then takes
  * its share of the units (groups of 16 interleaved rows, pairs of others), each unpacked
  * once for the block's tokens. The shares are equal in bytes, not rows: a q|k|v whose v
- * is Q6_K has heavier rows at its end. */
+ * is Q6_K has heavier rows at its end. Each thread runs its share from the front in runs
+ * of ~32 KiB, then (with a `team`) takes half of what another thread has left from its
+ * back, until none is left. */
 static void quant_linear_impl(const QuantWeight *w, const float *bias, const float *x, int n,
-                              int cols, float *y, int ldy, int accumulate) {
+                              int cols, float *y, int ldy, int accumulate, Team *team,
+                              const int *cuts, int num_cuts) {
     if (!quant_isa) quant_isa = detect_quant_isa();
     int legacy = 0, k_quant = 0;
     for (int p = 0; p < w->num_parts; p++) {
@@ -2155,6 +2265,7 @@ static void quant_linear_impl(const QuantWeight *w, const float *bias, const flo
     const int threads = omp_get_num_threads(), me = omp_get_thread_num();
     const int begin = unit_at_bytes(w, total * me / threads);
     const int end = me + 1 == threads ? units : unit_at_bytes(w, total * (me + 1) / threads);
+    const long share = total * (me + 1) / threads - total * me / threads;
     for (int t0 = 0; t0 < n; t0 += TOKEN_BLOCK) {
         int t1 = t0 + TOKEN_BLOCK < n ? t0 + TOKEN_BLOCK : n, nt = t1 - t0;
         for (int t = 0; t < nt; t++) {
@@ -2165,63 +2276,25 @@ static void quant_linear_impl(const QuantWeight *w, const float *bias, const flo
         qx.qt = wide4 && nt >= WIDE_Q4K_TOKENS ? qt : NULL;
         qx.qu = wide6 && nt >= WIDE_Q6K_TOKENS ? qu : NULL;
         if (qx.qt || qx.qu) tokens_side_by_side(qk, dk, bsum, nt, cols, qx.qt ? qt : NULL, qx.qu ? qu : NULL, mt, dt);
-        int base = 0, first_row = 0, window = -GROUP_ROWS;
-        unsigned filled = 0;
-        for (int p = 0; p < w->num_parts; p++) {
-            const QuantPart *part = &w->parts[p];
-            const int lo = begin - base > 0 ? begin - base : 0;
-            const int hi = end - base < part_units(part) ? end - base : part_units(part);
-            for (int u = lo, units = 1; u < hi; u += units) {
-                const int r0 = u * unit_rows(part);
-                if (part->interleaved) {
-                    const uint8_t *group = part->data + (long)r0 * part->row_bytes;
-                    if (quant_isa == 2 && !is_k_quant(part->type))
-                        rows16_dots512(part->type, group, nt, &qx, out);
-                    else
-                        rows16_dots256(part->type, group, nt, &qx, out);
-                    store_group(y, ldy, accumulate, bias, first_row + r0, t0, nt, out);
-                    continue;
-                }
-                /* Q6_K with the tokens side by side: 8 units (16 rows) a pass, sharing each
-                 * block's activations in L1; other rows a unit (2) at a time */
-                const int wide = part->type == GGML_Q6_K && qx.qu;
-                units = wide ? (hi - u < GROUP_ROWS / 2 ? hi - u : GROUP_ROWS / 2) : 1;
-                const int count = (part->rows < (u + units) * 2 ? part->rows : (u + units) * 2) - r0;
-                if (wide) {
-                    const uint8_t *rows[GROUP_ROWS];
-                    for (int k = 0; k < count; k++) rows[k] = quant_row(part, r0 + k);
-                    rows_q6k_wide(rows, count, nt, &qx, out);
-                }
-                for (int r = 0; r < count; r += 2) {
-                    const int two = r + 1 < count;
-                    const float *o = wide ? out + r * TOKEN_BLOCK : out; /* the pair's outputs */
-                    if (is_float_type(part->type)) {
-                        for (int k = 0; k <= two; k++) {
-                            dequant_row(part->type, quant_row(part, r0 + r + k), cols, row_f32);
-                            for (int t = 0; t < nt; t++)
-                                out[k * TOKEN_BLOCK + t] = row_dot_f32(row_f32, x + (long)(t0 + t) * cols, cols);
-                        }
-                    } else if (!wide)
-                        rows_dots(part->type, quant_row(part, r0 + r),
-                                  two ? quant_row(part, r0 + r + 1) : NULL, nt, &qx, out,
-                                  out + TOKEN_BLOCK);
-                    /* into the window of 16 rows, stored a whole window at a time */
-                    const int row = r0 + r, at = row % GROUP_ROWS;
-                    if (row - at != window) {
-                        flush_window(y, ldy, accumulate, bias, first_row + window, filled, t0, nt, stage);
-                        window = row - at;
-                        filled = 0;
-                    }
-                    for (int k = 0; k <= two; k++)
-                        for (int t = 0; t < nt; t++) stage[t * GROUP_ROWS + at + k] = o[k * TOKEN_BLOCK + t];
-                    filled |= (two ? 3u : 1u) << at;
-                }
-            }
-            flush_window(y, ldy, accumulate, bias, first_row + window, filled, t0, nt, stage);
-            window = -GROUP_ROWS;
-            filled = 0;
-            base += part_units(part);
-            first_row += part->rows;
+        if (cuts) { /* the tests' runs: units [cuts[i - 1], cuts[i]), the last first */
+            for (int i = num_cuts - 1; i > 0; i--)
+                quant_units(w, bias, x, cols, y, ldy, accumulate, &qx, t0, nt, cuts[i - 1], cuts[i], row_f32, out, stage);
+            continue;
+        }
+        if (!team || threads > MAX_TEAM) {
+            quant_units(w, bias, x, cols, y, ldy, accumulate, &qx, t0, nt, begin, end, row_f32, out, stage);
+            continue;
+        }
+        const unsigned gen = ++team->slot[me].blocks;
+        __atomic_store_n(&team->slot[me].word, share_word(gen, begin, end), __ATOMIC_RELEASE);
+        const int run = 1 + (int)(32768 * (long)(end - begin) / (share + 1)); /* units in ~32 KiB */
+        int u0, u1;
+        while (take_units(&team->slot[me], gen, run, &u0, &u1))
+            quant_units(w, bias, x, cols, y, ldy, accumulate, &qx, t0, nt, u0, u1, row_f32, out, stage);
+        for (int k = 1; k < threads; k++) {
+            TeamSlot *other = &team->slot[(me + k) % threads];
+            while (take_units(other, gen, 0, &u0, &u1))
+                quant_units(w, bias, x, cols, y, ldy, accumulate, &qx, t0, nt, u0, u1, row_f32, out, stage);
         }
     }
 #pragma omp barrier
@@ -2300,13 +2373,13 @@ static inline __attribute__((always_inline)) void linear_impl(
 /* y[t, :rows] (+)= W x[t] (+ bias) for n tokens; called inside a parallel region. A palette
  * weight's tiles are rebuilt into a scratch tile on each thread's stack, once per token
  * block, and multiplied as bf16 tiles. */
-static void linear(const InfireModel *m, const void *w, const float *bias, const float *x, int n,
-                   int cols, float *y, int rows, int ldy, int accumulate) {
+static void linear(const InfireModel *m, Team *team, const void *w, const float *bias,
+                   const float *x, int n, int cols, float *y, int rows, int ldy, int accumulate) {
     if (m->weight_palette) {
         uint16_t scratch[TILE_ROWS * cols];
         linear_impl(w, WEIGHT_PALETTE, bias, x, n, cols, y, rows, ldy, accumulate, scratch);
     } else if (m->weight_quant)
-        quant_linear_impl(w, bias, x, n, cols, y, ldy, accumulate);
+        quant_linear_impl(w, bias, x, n, cols, y, ldy, accumulate, team, NULL, 0);
     else if (m->weight_bf16)
         linear_impl(w, WEIGHT_BF16, bias, x, n, cols, y, rows, ldy, accumulate, NULL);
     else
@@ -2325,8 +2398,18 @@ void infire_dense_linear(const void *w, int bf16, const float *bias, const float
  * QuantWeight path (the one the forward takes), on the OpenMP threads. */
 void infire_quant_linear(const QuantWeight *w, const float *x, int n, int cols, float *y,
                          int rows) {
+    Team team;
+    memset(&team, 0, sizeof team);
 #pragma omp parallel
-    quant_linear_impl(w, NULL, x, n, cols, y, rows, 0);
+    quant_linear_impl(w, NULL, x, n, cols, y, rows, 0, &team, NULL, 0);
+}
+
+/* Exported for the tests: the same on one thread, in runs of units [cuts[i - 1], cuts[i])
+ * (cuts[0] = 0, the last the weight's units), the last run first, as a thread that takes
+ * another's units from their back runs them. */
+void infire_quant_linear_runs(const QuantWeight *w, const float *x, int n, int cols, float *y,
+                              int rows, const int *cuts, int num_cuts) {
+    quant_linear_impl(w, NULL, x, n, cols, y, rows, 0, NULL, cuts, num_cuts);
 }
 
 /* Exported: out[r] = the index of the largest of x[r, :cols] for `rows` rows, the first
@@ -2721,13 +2804,13 @@ static void silu_mul(const float *gate_up, int n, int inter, float *out) {
  * sums its experts in ascending order. Called inside the parallel region; gate_up and act
  * are the dense MLP's scratch, moe the experts' (see infire_forward_workspace).
  */
-static void experts(const InfireModel *m, int l, const float *normed, int n, float *x,
-                    float *gate_up, float *act, float *moe) {
+static void experts(const InfireModel *m, Team *team, int l, const float *normed, int n,
+                    float *x, float *gate_up, float *act, float *moe) {
     int h = m->hidden, inter = m->expert_intermediate, num = m->num_experts, k = m->top_k;
     float *logits = moe, *weights = logits + (long)n * num, *rows = weights + (long)n * k;
     float *out = rows + (long)n * h, *acc = out + (long)n * h;
     int32_t *ids = (int32_t *)(acc + (long)n * h);
-    linear(m, m->router[l], NULL, normed, n, h, logits, num, num, 0);
+    linear(m, team, m->router[l], NULL, normed, n, h, logits, num, num, 0);
 #pragma omp for schedule(static)
     for (int t = 0; t < n; t++) {
         float *lg = logits + (long)t * num, top = lg[0], sum = 0.0f, chosen = 0.0f;
@@ -2760,9 +2843,9 @@ static void experts(const InfireModel *m, int l, const float *normed, int n, flo
         for (int i = 0; i < count; i++)
             memcpy(rows + (long)i * h, normed + (long)token[i] * h, sizeof(float) * h);
         long at = (long)l * num + e;
-        linear(m, m->expert_gate_up[at], NULL, rows, count, h, gate_up, 2 * inter, 2 * inter, 0);
+        linear(m, team, m->expert_gate_up[at], NULL, rows, count, h, gate_up, 2 * inter, 2 * inter, 0);
         silu_mul(gate_up, count, inter, act);
-        linear(m, m->expert_down[at], NULL, act, count, inter, out, h, h, 0);
+        linear(m, team, m->expert_down[at], NULL, act, count, inter, out, h, h, 0);
 #pragma omp for schedule(static)
         for (int i = 0; i < count; i++) { /* a token meets an expert once: rows are apart */
             float w = weights[(long)token[i] * k + which[i]];
@@ -2806,29 +2889,31 @@ int infire_forward(const InfireModel *m, int n, const int64_t *token_ids,
     float *attn = qkv + (long)n * width, *gate_up = attn + (long)n * q;
     long wide = mlp_width(m);
     float *act = gate_up + (long)n * 2 * wide, *last = act + (long)n * wide;
+    Team shares, *team = &shares; /* the threads' shares of each quantized linear */
+    memset(team, 0, sizeof shares);
 #pragma omp parallel
     {
         embed_tokens(m, token_ids, n, x);
         for (int l = 0; l < m->num_layers; l++) {
             rms_norm(x, m->norm1[l], normed, n, h, m->eps);
-            linear(m, m->qkv[l], m->qkv_bias[l], normed, n, h, qkv, width, width, 0);
+            linear(m, team, m->qkv[l], m->qkv_bias[l], normed, n, h, qkv, width, width, 0);
             rope_and_store(m, l, qkv, n, cos, sin, slots);
             attention(m, l, qkv, n, positions, seq_of_token, block_tables, max_blocks, attn);
-            linear(m, m->o_proj[l], NULL, attn, n, q, x, h, h, 1);
+            linear(m, team, m->o_proj[l], NULL, attn, n, q, x, h, h, 1);
             rms_norm(x, m->norm2[l], normed, n, h, m->eps);
             if (m->num_experts && m->router[l]) {
-                experts(m, l, normed, n, x, gate_up, act, last + (long)n * h);
+                experts(m, team, l, normed, n, x, gate_up, act, last + (long)n * h);
                 continue;
             }
-            linear(m, m->gate_up[l], NULL, normed, n, h, gate_up, 2 * inter, 2 * inter, 0);
+            linear(m, team, m->gate_up[l], NULL, normed, n, h, gate_up, 2 * inter, 2 * inter, 0);
             silu_mul(gate_up, n, inter, act);
-            linear(m, m->down[l], NULL, act, n, inter, x, h, h, 1);
+            linear(m, team, m->down[l], NULL, act, n, inter, x, h, h, 1);
         }
 #pragma omp for schedule(static)
         for (int i = 0; i < num_logits; i++)
             for (int j = 0; j < h; j++) last[(long)i * h + j] = x[(long)logit_rows[i] * h + j];
         rms_norm(last, m->final_norm, normed, num_logits, h, m->eps);
-        linear(m, m->lm_head, NULL, normed, num_logits, h, logits, m->vocab, m->vocab, 0);
+        linear(m, team, m->lm_head, NULL, normed, num_logits, h, logits, m->vocab, m->vocab, 0);
     }
     return 0;
 }

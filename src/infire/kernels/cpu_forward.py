@@ -430,13 +430,24 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def quant_linear(weight: QuantWeight, x: torch.Tensor) -> torch.Tensor:
-    """x [n, cols] float32 times a QuantWeight's transpose, through the forward's kernel."""
+def quant_linear(
+    weight: QuantWeight, x: torch.Tensor, runs: list[int] | None = None
+) -> torch.Tensor:
+    """x [n, cols] float32 times a QuantWeight's transpose, through the forward's kernel.
+    `runs` (for the tests): the weight's units (groups of 16 interleaved rows, pairs of
+    others) cut into runs [runs[i - 1], runs[i]) (runs[0] = 0, the last all the units),
+    taken on one thread, the last run first, as a thread taking another's from their back
+    does."""
     lib = _library()
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], weight.rows)
-    lib.infire_quant_linear(ctypes.byref(weight), _ptr(x.data_ptr()), x.shape[0], x.shape[1],
-                            _ptr(y.data_ptr()), weight.rows)  # fmt: skip
+    args = (ctypes.byref(weight), _ptr(x.data_ptr()), x.shape[0], x.shape[1], _ptr(y.data_ptr()),
+            weight.rows)  # fmt: skip
+    if runs is None:
+        lib.infire_quant_linear(*args)
+    else:
+        cuts = (ctypes.c_int * len(runs))(*runs)
+        lib.infire_quant_linear_runs(*args, cuts, len(runs))
     return y
 
 
