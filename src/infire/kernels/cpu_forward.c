@@ -2281,7 +2281,7 @@ static void quant_linear_impl(const QuantWeight *w, const float *bias, const flo
                 quant_units(w, bias, x, cols, y, ldy, accumulate, &qx, t0, nt, cuts[i - 1], cuts[i], row_f32, out, stage);
             continue;
         }
-        if (!team || threads > MAX_TEAM) {
+        if (!team || threads > MAX_TEAM || units >= 1 << 24) { /* static shares */
             quant_units(w, bias, x, cols, y, ldy, accumulate, &qx, t0, nt, begin, end, row_f32, out, stage);
             continue;
         }
