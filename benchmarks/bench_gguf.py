@@ -18,9 +18,13 @@ llama-cpp-python's C API in `.bench-venv`. Measures:
   excluded; the median of DECODE_REPEATS such runs in each engine's process (a few
   seconds each: single runs of one infire build ranged over 51-71 tok/s within half an
   hour on this machine);
-- prefill tok/s: one 512-token prompt to its first token;
+- prefill tok/s: one 512-token prompt to its first token (its own tokens: the decode's
+  prompt, a prefix of the same formula's first prompt, would be in infire's prefix cache);
 - batch-32 throughput: 32 prompts of 16 tokens, 64 tokens each, generated together
-  (llama.cpp: one llama_batch of 32 sequences a step, as its `batched` example);
+  (llama.cpp: one llama_batch of 32 sequences a step, as its `batched` example); the
+  median of BATCH_REPEATS such runs in each engine's process, each run with its own 32
+  prompts (the same ones in both engines; a repeated prompt would be served from
+  infire's prefix cache);
 - peak RSS above the process's baseline (VmHWM minus the resident set after imports),
   with the same KV reservation (the larger run's tokens, bf16 / f16);
 - the roofline fraction of batch-1 decode: the bytes a token reads (the weights' blocks;
@@ -79,7 +83,7 @@ def engines() -> dict[str, tuple[str | None, bool]]:
 
 
 PROMPT, DECODE, PREFILL, BATCH, BATCH_TOKENS = 16, 128, 512, 32, 64
-DECODE_REPEATS = 3
+DECODE_REPEATS = BATCH_REPEATS = 3
 SHAPE = {"layers": 32, "hidden": 1024, "heads": 16, "kv_heads": 4, "intermediate": 4096}
 
 
@@ -93,8 +97,20 @@ def _context(sizes: dict) -> int:
     return max(sizes["prefill"] + 16, sizes["batch"] * (sizes["prompt"] + sizes["batch_tokens"]))
 
 
-def _prompts(count: int, length: int, vocab: int) -> list[list[int]]:
-    return [[(97 * i + 31 * j) % (vocab - 300) + 200 for j in range(length)] for i in range(count)]
+def _prompts(count: int, length: int, vocab: int, first: int = 0) -> list[list[int]]:
+    """`count` prompts of `length` tokens, the i-th from `first` on (other `first`s, other
+    prompts: a repeated batch is not served from infire's prefix cache)."""
+    return [[(97 * i + 31 * j) % (vocab - 300) + 200 for j in range(length)]
+            for i in range(first, first + count)]  # fmt: skip
+
+
+def _batch_runs(sizes: dict, vocab: int, generate: object) -> list[float]:
+    """Batch-32 throughput (output tok/s) of BATCH_REPEATS runs, each with its own prompts
+    (not the decode's prompt 0 or the prefill's 1); `generate(prompts, tokens)` returns the
+    seconds a run took."""
+    count, tokens = sizes["batch"], sizes["batch_tokens"]
+    return [count * tokens / generate(_prompts(count, sizes["prompt"], vocab, 2 + count * r), tokens)
+            for r in range(BATCH_REPEATS)]  # fmt: skip
 
 
 # --- the engines, each run in a child process ----------------------------------------
@@ -128,10 +144,10 @@ def run_infire(path: str, sizes: dict, isa: str | None = None, repack: bool = Tr
         sizes["decode"] / (timed(prompt, sizes["decode"] + 1) - timed(prompt, 1))
         for _ in range(DECODE_REPEATS)
     )
-    prefill = sizes["prefill"] / timed(_prompts(1, sizes["prefill"], vocab), 1)
-    batch = _prompts(sizes["batch"], sizes["prompt"], vocab)
-    throughput = sizes["batch"] * sizes["batch_tokens"] / timed(batch, sizes["batch_tokens"])
-    return {"load_s": load, "decode": decode, "prefill": prefill, "batch": throughput,
+    prefill = sizes["prefill"] / timed(_prompts(1, sizes["prefill"], vocab, 1), 1)
+    runs = _batch_runs(sizes, vocab, timed)
+    return {"load_s": load, "decode": decode, "prefill": prefill,
+            "batch": statistics.median(runs), "batch_runs": runs,
             "rss": _status("VmHWM") - base, "status": f"{llm.engine.runner.fused_status}, {isa}"}  # fmt: skip
 
 
@@ -191,10 +207,10 @@ def run_llamacpp(path: str, sizes: dict) -> dict:
         sizes["decode"] / (generate(prompt, sizes["decode"] + 1) - generate(prompt, 1))
         for _ in range(DECODE_REPEATS)
     )
-    prefill = sizes["prefill"] / generate(_prompts(1, sizes["prefill"], vocab), 1)
-    prompts = _prompts(sizes["batch"], sizes["prompt"], vocab)
-    throughput = sizes["batch"] * sizes["batch_tokens"] / generate(prompts, sizes["batch_tokens"])
-    result = {"load_s": load, "decode": rate, "prefill": prefill, "batch": throughput,
+    prefill = sizes["prefill"] / generate(_prompts(1, sizes["prefill"], vocab, 1), 1)
+    runs = _batch_runs(sizes, vocab, generate)
+    result = {"load_s": load, "decode": rate, "prefill": prefill,
+              "batch": statistics.median(runs), "batch_runs": runs,
               "rss": _status("VmHWM") - base, "status": "llama-cpp-python " + lc.__version__}  # fmt: skip
     lc.llama_batch_free(batch)
     lc.llama_free(ctx)
@@ -472,18 +488,19 @@ def main() -> None:
             for key in ("decode", "prefill", "batch", "rss"):
                 row[engine][key] = statistics.median(got[key] for got in rounds)
             row[engine]["roofline"] = row["weights_bytes"] * row[engine]["decode"] / bandwidth
-    (RESULTS / "gguf.json").write_text(json.dumps(results, indent=2))
     print(f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s on {THREADS} threads")
     print("int8 products, peak of each instruction mix: "
           + ", ".join(f"{mix} {rate / 1e9:.0f} GOP/s" for mix, rate in peaks.items()))  # fmt: skip
     for label, row in results["files"].items():
         c = row["ceiling"]
         needed = 3 * row["llama.cpp"]["batch"]
-        decode = [
-            f"{a['decode'] / b['decode']:.2f}x"
-            for a, b in zip(row["infire"]["rounds"], row["llama.cpp"]["rounds"], strict=True)
-        ]
-        print(f"{label}: infire / llama.cpp decode per round: {', '.join(decode)}")
+        for key in ("decode", "batch"):  # each round's engines ran minutes apart
+            ratios = [a[key] / b[key] for a, b in
+                      zip(row["infire"]["rounds"], row["llama.cpp"]["rounds"], strict=True)]  # fmt: skip
+            row[f"{key}_ratio_per_round"] = ratios
+            print(f"{label}: infire / llama.cpp {key} per round: "
+                  + ", ".join(f"{x:.2f}x" for x in ratios)
+                  + f" (median {statistics.median(ratios):.2f}x)")  # fmt: skip
         print(f"{label}: batch-32 {c['batch_ops'] / 1e12:.2f} Tops; at the {c['mix']} peak "
               f"<= {c['peak_tok_s']:.0f} tok/s, at the instruction set's peak <= "
               f"{c['isa_tok_s']:.0f} (3x llama.cpp: {needed:.0f}); infire's kernels in "
@@ -493,6 +510,7 @@ def main() -> None:
             print(f"{label}: ({split}) at infire's kernels' inner loops alone <= "
                   f"{c['inner_tok_s']:.0f} tok/s, at the whole kernels' rate in cache <= "
                   f"{c['whole_tok_s']:.0f} tok/s (the matmuls alone)")  # fmt: skip
+    (RESULTS / "gguf.json").write_text(json.dumps(results, indent=2))
     print()
     print(
         "| file | engine | decode tok/s | prefill tok/s | batch-32 tok/s | peak RSS MB | roofline |"
