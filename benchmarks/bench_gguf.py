@@ -45,7 +45,7 @@ llama-cpp-python's C API in `.bench-venv`. Measures:
 
 Results go to benchmarks/results/gguf.json and docs/benchmarks-gguf.png.
 
-    .venv/bin/python benchmarks/bench_gguf.py            # ~6 minutes on 2 cores (3 rounds)
+    .venv/bin/python benchmarks/bench_gguf.py            # ~17 minutes on 2 cores (3 rounds)
     .venv/bin/python benchmarks/bench_gguf.py --quick --rounds 1   # SmolLM2, fewer tokens
 """
 
