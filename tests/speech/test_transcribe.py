@@ -42,17 +42,16 @@ def test_word_error_rate_against_faster_whisper(
     ours = [(text, transcribe(whisper, tokenizer, decode_audio(path), TranscribeOptions(language="en", beam_size=5)).text)
             for path, text in clips]  # fmt: skip
     folder = faster_whisper_folder(tmp_path / "faster-whisper-base")
-    theirs = {}
-    for compute in ("float32", "int8"):
-        model = WhisperModel(str(folder), device="cpu", compute_type=compute, cpu_threads=2)
-        theirs[compute] = []
-        for path, text in clips:
-            segments, _ = model.transcribe(str(path), beam_size=5, language="en")
-            theirs[compute].append((text, "".join(s.text for s in segments)))
-    rates = {"infire": wer(ours), **{f"faster-whisper {c}": wer(p) for c, p in theirs.items()}}
+    # float32 alone: the int8 model's rate was printed, never asserted, and cost CI ~25 s
+    model = WhisperModel(str(folder), device="cpu", compute_type="float32", cpu_threads=2)
+    theirs = []
+    for path, text in clips:
+        segments, _ = model.transcribe(str(path), beam_size=5, language="en")
+        theirs.append((text, "".join(s.text for s in segments)))
+    rates = {"infire": wer(ours), "faster-whisper float32": wer(theirs)}
     record_property("wer", rates)
     print("WER:", {name: f"{rate:.3f}" for name, rate in rates.items()})
-    for (text, got), (_, want) in zip(ours, theirs["float32"], strict=True):
+    for (text, got), (_, want) in zip(ours, theirs, strict=True):
         print(f"{text!r}\n  infire:         {got!r}\n  faster-whisper: {want!r}")
     assert rates["infire"] <= rates["faster-whisper float32"] + 0.01
 
