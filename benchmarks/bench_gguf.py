@@ -59,6 +59,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,7 +105,9 @@ def _prompts(count: int, length: int, vocab: int, first: int = 0) -> list[list[i
             for i in range(first, first + count)]  # fmt: skip
 
 
-def _batch_runs(sizes: dict, vocab: int, generate: object) -> list[float]:
+def _batch_runs(
+    sizes: dict, vocab: int, generate: Callable[[list[list[int]], int], float]
+) -> list[float]:
     """Batch-32 throughput (output tok/s) of BATCH_REPEATS runs, each with its own prompts
     (not the decode's prompt 0 or the prefill's 1); `generate(prompts, tokens)` returns the
     seconds a run took."""
@@ -494,7 +497,7 @@ def main() -> None:
     for label, row in results["files"].items():
         c = row["ceiling"]
         needed = 3 * row["llama.cpp"]["batch"]
-        for key in ("decode", "batch"):  # each round's engines ran minutes apart
+        for key in ("decode", "batch"):  # a round's engines ran back to back
             ratios = [a[key] / b[key] for a, b in
                       zip(row["infire"]["rounds"], row["llama.cpp"]["rounds"], strict=True)]  # fmt: skip
             row[f"{key}_ratio_per_round"] = ratios

@@ -42,7 +42,7 @@ def test_word_error_rate_against_faster_whisper(
     ours = [(text, transcribe(whisper, tokenizer, decode_audio(path), TranscribeOptions(language="en", beam_size=5)).text)
             for path, text in clips]  # fmt: skip
     folder = faster_whisper_folder(tmp_path / "faster-whisper-base")
-    # float32 alone: the int8 model's rate was printed, never asserted, and cost CI ~25 s
+    # float32 alone: an int8 model's rate was printed, never asserted, and took ~70 s
     model = WhisperModel(str(folder), device="cpu", compute_type="float32", cpu_threads=2)
     theirs = []
     for path, text in clips:
