@@ -9,8 +9,8 @@
  *             activations; vpmaddubsw + vpaddw, then per 32 values vpmaddwd by the
  *             scale, vpaddd);
  *   q6k_wide: q6k_row_block, rows_q6k_wide's loop: a 256-value block of one row with 32
- *             tokens (pair sums reach 16320: every two vpmaddubsw a vpmaddwd by the scale
- *             of their 16 values).
+ *             tokens (as q4k_wide, but each 16's sums start from the tokens' offsets and
+ *             take a vpmaddwd by its scale every 4 steps).
  * Each returns the multiply-adds it did (summed over the OpenMP threads).
  */
 #include "../src/infire/kernels/cpu_forward.c"
@@ -18,6 +18,7 @@
 static uint8_t loop_acts[2][8 * 1024] __attribute__((aligned(64)));
 static uint8_t loop_codes[2][8 * 512] __attribute__((aligned(64)));
 static int32_t loop_scales[2][8 * 16] __attribute__((aligned(64)));
+static int32_t loop_offsets[2][8 * 64] __attribute__((aligned(64)));
 static volatile int loop_sink;
 
 /* Written, not left as the zero page: every page of an untouched static array maps to the
@@ -55,11 +56,13 @@ long loop_q6k_wide(long iters) {
         const int me = omp_get_thread_num() % 2;
         fill_acts(me);
         __m256i isum[4] __attribute__((aligned(32)));
-        for (int i = 0; i < 8 * 512; i++) loop_codes[me][i] = (uint8_t)((i * 5 & 63) - 32);
+        for (int i = 0; i < 8 * 512; i++) loop_codes[me][i] = (uint8_t)(i * 5 & 63);
         for (int i = 0; i < 8 * 16; i++) loop_scales[me][i] = 3 | 3 << 16;
+        for (int i = 0; i < 8 * 64; i++) loop_offsets[me][i] = -(i * 97 & 0x3fff3fff);
         int sum = 0;
         for (long i = 0; i < iters; i++) { /* 16 rows' blocks, over and over */
-            q6k_row_block(loop_acts[me], loop_codes[me] + 256 * (i & 15), loop_scales[me], 4, isum);
+            q6k_row_block((const int8_t *)loop_acts[me], loop_codes[me] + 256 * (i & 15), loop_scales[me],
+                          loop_offsets[me], 4, isum);
             sum += _mm256_extract_epi32(isum[i & 3], 0);
         }
         loop_sink = sum;
@@ -80,21 +83,19 @@ long loop_q6k_wide(long iters) {
 static void whole_acts(QuantX *x) {
     const int blocks = WHOLE_COLS / QK_BLOCK;
     int8_t *qt = aligned_alloc(64, TOKEN_BLOCK * WHOLE_COLS);
-    uint8_t *qu = aligned_alloc(64, TOKEN_BLOCK * WHOLE_COLS);
     int32_t *mt = aligned_alloc(64, TOKEN_BLOCK * 4 * blocks * 4);
+    int32_t *ct = aligned_alloc(64, TOKEN_BLOCK * 16 * blocks * 4);
     float *dt = aligned_alloc(64, TOKEN_BLOCK * blocks * 4);
-    for (int i = 0; i < TOKEN_BLOCK * WHOLE_COLS; i++) {
-        qt[i] = (int8_t)(i * 7 + 1);
-        qu[i] = (uint8_t)(qt[i] ^ 0x80);
-    }
+    for (int i = 0; i < TOKEN_BLOCK * WHOLE_COLS; i++) qt[i] = (int8_t)(i * 7 + 1);
     for (int i = 0; i < TOKEN_BLOCK * 4 * blocks; i++) mt[i] = (i * 13) & 0x03ff03ff;
+    for (int i = 0; i < TOKEN_BLOCK * 16 * blocks; i++) ct[i] = -(i * 97 & 0x3fff3fff);
     for (int i = 0; i < TOKEN_BLOCK * blocks; i++) dt[i] = 0.01f;
     memset(x, 0, sizeof *x);
-    x->qt = qt, x->qu = qu, x->mt = mt, x->dt = dt, x->cols = WHOLE_COLS;
+    x->qt = qt, x->mt = mt, x->ct = ct, x->dt = dt, x->cols = WHOLE_COLS;
 }
 
 static void whole_free(QuantX *x) {
-    free((void *)x->qt), free((void *)x->qu), free((void *)x->mt), free((void *)x->dt);
+    free((void *)x->qt), free((void *)x->mt), free((void *)x->ct), free((void *)x->dt);
 }
 
 static void whole_weight(uint8_t *w, long bytes, long block, int at, int halves) {

@@ -126,6 +126,33 @@ def test_products_match_numpy_and_do_not_depend_on_the_batch(qtype: T, isa: str)
         assert np.array_equal(alone, y[:n])
 
 
+def test_q6_k_extremes_alone_and_in_a_batch() -> None:
+    """Q6_K's 6-bit codes at 0 and 63 and scales at -128 and 127 against activations at
+    +-127: the batch kernel's 16-bit sums (8 values' (u - 32) x each, from the tokens'
+    offsets -32 sum x up through the products u x, wrapping on the way) reach 32512. Every
+    token's products equal its own alone and the reference's."""
+    rng = np.random.default_rng(11)
+    rows, cols = 24, 512
+    packed = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
+    packed[0:8, :, :192] = 0  # every code 0
+    packed[8:16, :, :192] = 0xFF  # every code 63
+    packed[0::2, :, 192:208] = np.array(-128, np.int8).view(np.uint8)  # the 16s' scales
+    packed[1::2, :, 192:208] = 127
+    packed[:, :, 208:210] = np.array([0.002], np.float16).view(np.uint8)
+    packed = packed.reshape(rows, -1)
+    reference = dequantize(packed, T.Q6_K).reshape(rows, cols).astype(np.float64)
+    w = QuantWeight([(int(T.Q6_K), torch.from_numpy(np.ascontiguousarray(packed)), None)])
+    x = rng.choice(np.array([-1.0, 1.0], np.float32), (32, cols))
+    x[0], x[1] = 1.0, -1.0  # every code 127, every code -127
+    x[2] = rng.standard_normal(cols).astype(np.float32)
+    y = quant_linear(w, torch.from_numpy(x)).numpy()
+    xs = quantized_activations(x, 256)
+    error = np.abs(y - xs @ reference.T)
+    assert np.all(error <= TOLERANCE * (np.abs(xs) @ np.abs(reference).T)), error.max()
+    for t in (0, 1, 2, 31):
+        assert np.array_equal(quant_linear(w, torch.from_numpy(x[t : t + 1])).numpy(), y[t : t + 1])
+
+
 def test_a_weight_of_parts_with_different_types_and_a_row_order() -> None:
     """q|k|v fused where v has another type (as in Q4_K_M files), and k's rows stored in
     another order (llama.cpp's q/k permutation), read through a row index."""
@@ -257,7 +284,8 @@ def test_units_taken_in_any_runs_give_the_same_products_bit_for_bit() -> None:
     """A linear's threads take units (groups of 16 interleaved rows, pairs of others) in
     runs, a thread done with its own share taking the rest of another's from its back:
     cut anywhere (inside a part, a window of 16 rows, the Q6_K kernel's passes of 16 rows)
-    and taken last run first, the units give exactly the products of the whole weight."""
+    and taken last run first, the units give exactly the products of the whole weight, with
+    a bias and added into an output (as o_proj and down add into the residual) too."""
     rng = np.random.default_rng(41)
     cols = 512
     grouped = interleave_rows(
@@ -270,12 +298,19 @@ def test_units_taken_in_any_runs_give_the_same_products_bit_for_bit() -> None:
     w = QuantWeight(parts, [can_interleave(grouped), False, False])
     units = (3 if can_interleave(grouped) else 24) + 19 + 3
     x = torch.from_numpy(rng.standard_normal((37, cols)).astype(np.float32))
+    bias = torch.from_numpy(rng.standard_normal(w.rows).astype(np.float32))
     for n in (1, 12, 32, 37):
         whole = quant_linear(w, x[:n])
         assert torch.equal(quant_linear(w, x[:n], [0, units]), whole)
+        with_bias = quant_linear(w, x[:n], bias=bias)
+        assert torch.equal(with_bias, whole + bias)
+        residual = torch.from_numpy(rng.standard_normal((n, w.rows)).astype(np.float32))
         for _ in range(4):
             cuts = sorted(rng.choice(np.arange(1, units), size=6, replace=False).tolist())
             assert torch.equal(quant_linear(w, x[:n], [0, *cuts, units]), whole), (n, cuts)
+            assert torch.equal(quant_linear(w, x[:n], [0, *cuts, units], bias), with_bias)
+            added = quant_linear(w, x[:n], [0, *cuts, units], bias, out=residual.clone())
+            assert torch.equal(added, residual + with_bias), (n, cuts)
 
 
 def test_only_whole_rows_in_sixteens_of_some_types_interleave() -> None:

@@ -477,13 +477,17 @@ typedef struct {
     const int8_t *qk;
     const float *dk;
     const int16_t *bsum;
-    /* the same per-256 activations with the tokens side by side (for rows16_q4k_wide; NULL
-     * where a block of tokens does not take it): per 4 codes (as qk stores them) the block's
-     * TOKEN_BLOCK tokens' 4 each; per 256 values and pair c of 32-value sub-blocks (2 c,
-     * 2 c + 1) each token's two sums as 16-bit halves; per 256 values each token's scale */
+    /* the same per-256 activations with the tokens side by side, for the wide kernels
+     * (rows16_q4k_wide, rows_q6k_wide): per 4 codes (as qk stores them) the block's
+     * TOKEN_BLOCK tokens' 4 each (qt); per 256 values each token's scale (dt). Each kernel's
+     * own sums are NULL where a block of tokens does not take it: Q4_K's mins' (mt), per
+     * 256 values and pair c of 32-value sub-blocks (2 c, 2 c + 1) each token's two sums as
+     * 16-bit halves; Q6_K's offsets' (ct), per 256 values, 32-value sub-block slot s and
+     * its 16s h, each token's -32 times the sums of the codes its 16-bit halves meet in
+     * rows_q6k_wide (values 4 k, 4 k + 1 and 4 k + 2, 4 k + 3 of k = 4 h .. 4 h + 3). */
     const int8_t *qt;
-    const uint8_t *qu; /* qt + 128: unsigned (rows_q6k_wide) */
     const int32_t *mt;
+    const int32_t *ct;
     const float *dt;
     int cols;
 } QuantX;
@@ -1529,6 +1533,31 @@ static inline __attribute__((always_inline)) void rows16_q4k(const int tk, const
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + (long)(t0 + j) * GROUP_ROWS + 8 * h, acc[h][j]);
 }
 
+/* A wide kernel's sums, acc[r][v] (row r of 16, tokens 8 v .. 8 v + 7), into out[t * 16 + r]
+ * for the tokens of nv vectors (out holds 16 x 8 nv floats): 8 x 8 transposes, a token's 8
+ * rows a store (one at a time, the 512 scalar stores of a 16-row pass were ~10% of an
+ * lm_head's time at batch 32). */
+static inline __attribute__((always_inline)) void store_token_rows(__m256 acc[GROUP_ROWS][4], int nv,
+                                                                   float *out) {
+    for (int v = 0; v < nv; v++)
+        for (int h = 0; h < GROUP_ROWS; h += 8) {
+            __m256 t[8], u[8];
+            for (int i = 0; i < 8; i += 2) {
+                t[i] = _mm256_unpacklo_ps(acc[h + i][v], acc[h + i + 1][v]);
+                t[i + 1] = _mm256_unpackhi_ps(acc[h + i][v], acc[h + i + 1][v]);
+            }
+            for (int i = 0; i < 8; i += 4) {
+                u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+                u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+                u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+                u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+            }
+            for (int i = 0; i < 8; i++) /* token 8 v + i: rows h .. h + 7 */
+                _mm256_storeu_ps(out + (8 * v + i) * GROUP_ROWS + h,
+                                 _mm256_permute2f128_ps(u[i % 4], u[i % 4 + 4], i < 4 ? 0x20 : 0x31));
+        }
+}
+
 /* The inner loop of rows16_q4k_wide: a whole 256-value block of one row with 32 tokens.
  * Sub-block j (in k_slot order) has the row's codes at w + 512 j + 64 k (4 for each k), its
  * scale as a 16-bit pair at sc[16 j], and the tokens' activations at a + 1024 j + 128 k (4
@@ -1656,12 +1685,7 @@ static inline __attribute__((always_inline)) void rows16_q4k_wide(const uint8_t 
             }
         }
     }
-    for (int r = 0; r < GROUP_ROWS; r++)
-        for (int v = 0; v < nv; v++) {
-            float lane[8];
-            _mm256_storeu_ps(lane, acc[r][v]);
-            for (int t = 8 * v; t < nt && t < 8 * v + 8; t++) out[t * GROUP_ROWS + r] = lane[t - 8 * v];
-        }
+    store_token_rows(acc, nv, out);
 }
 
 /* Tokens from which a block takes rows16_q4k_wide (fewer: rows16_q4k, faster where the wide
@@ -1670,79 +1694,70 @@ static inline __attribute__((always_inline)) void rows16_q4k_wide(const uint8_t 
 #define WIDE_Q6K_TOKENS 12
 
 /* The inner loop of rows_q6k_wide: a whole 256-value block of one row with 16 or 32 tokens
- * (`nv` vectors of 8). Sub-block j (in k_slot order, as the activations) has the row's
- * codes u - 32 at w + 32 j (4 for each k), its two 16s' scales as 16-bit pairs at sc[2 j]
- * and sc[2 j + 1], and the tokens' unsigned activations at a + 1024 j + 128 k. Pair sums
- * of (x + 128)(u - 32) reach 16320: two steps add up in 16 bits (the first writes them),
- * then vpmaddwd by the scale, vpaddd into isum[0 .. nv - 1], which stay in registers for
- * the block. One row at a time, as Q4_K's wide_row_block (two rows of 16 tokens, their
- * 32-bit sums in memory, ran ~15% slower); the activations are the unsigned side of
- * `vpmaddubsw`, so they are loaded (the codes, signed, are broadcast). */
-static inline __attribute__((always_inline)) void q6k_row_block(const uint8_t *a, const uint8_t *w,
-                                                                const int32_t *sc, int nv,
-                                                                __m256i *isum) {
-/* 4 codes of the row (at W) against nv vectors of activations (at A): their products start
- * the 16-bit sums (FIRST) or add to them (NEXT) */
-#define Q6_FIRST4(W, A)                                                                       \
+ * (`nv` vectors of 8). Sub-block slot s (k_slot order, as the activations) has the row's
+ * codes u (0..63) at w + 32 s (4 for each step k), its two 16s' scales as 16-bit pairs at
+ * sc[2 s] and sc[2 s + 1], the tokens' activations (QuantX.qt, signed: the side of
+ * `vpmaddubsw` that may come from memory) at a + 1024 s + 128 k and their offsets' sums
+ * (QuantX.ct) at c + 64 s + 32 h. The 16-bit sums of a 16 start from its offset sum
+ * -32 sum x and add its 4 steps' products u x: 8 values' (u - 32) x each, at most
+ * 32 127 8 = 32512, so the wrapping 16-bit adds end exact whatever they pass through (the
+ * pair sums themselves, at most 63 127 2, do not saturate; activations are within +-127).
+ * Then vpmaddwd by the 16's scale, vpaddd into isum[0 .. nv - 1], which stay in registers
+ * for the block. Against (x + 128)(u - 32), which reaches 16320 a pair and took a vpmaddwd
+ * every 2 steps: 40 multiplies a 32-value sub-block instead of 48 (the inner loop alone,
+ * 32 tokens in L1: 275 -> 356 GOP/s on 2 Zen 3 threads). One row at a time, as Q4_K's
+ * wide_row_block. */
+static inline __attribute__((always_inline)) void q6k_row_block(const int8_t *a, const uint8_t *w,
+                                                                const int32_t *sc, const int32_t *c,
+                                                                int nv, __m256i *isum) {
+/* a 16's 16-bit sums start from its offsets' (at C) */
+#define Q6_START4(C)                                                                          \
+    "vmovdqa " C "(%[c]), %%ymm0\n\t"                                                          \
+    "vmovdqa " C "+32(%[c]), %%ymm1\n\t"                                                       \
+    "vmovdqa " C "+64(%[c]), %%ymm2\n\t"                                                       \
+    "vmovdqa " C "+96(%[c]), %%ymm3\n\t"
+#define Q6_START2(C)                                                                          \
+    "vmovdqa " C "(%[c]), %%ymm0\n\t"                                                          \
+    "vmovdqa " C "+32(%[c]), %%ymm1\n\t"
+/* 4 codes of the row (at W) against nv vectors of activations (at A), added to the sums */
+#define Q6_STEP4(W, A)                                                                        \
     "vpbroadcastd " W "(%[w]), %%ymm12\n\t"                                                   \
-    "vmovdqa " A "(%[a]), %%ymm5\n\t"                                                          \
-    "vmovdqa " A "+32(%[a]), %%ymm6\n\t"                                                       \
-    "vmovdqa " A "+64(%[a]), %%ymm7\n\t"                                                       \
-    "vmovdqa " A "+96(%[a]), %%ymm13\n\t"                                                      \
-    "vpmaddubsw %%ymm12, %%ymm5, %%ymm0\n\t"                                                   \
-    "vpmaddubsw %%ymm12, %%ymm6, %%ymm1\n\t"                                                   \
-    "vpmaddubsw %%ymm12, %%ymm7, %%ymm2\n\t"                                                   \
-    "vpmaddubsw %%ymm12, %%ymm13, %%ymm3\n\t"
-#define Q6_NEXT4(W, A)                                                                        \
+    "vpmaddubsw " A "(%[a]), %%ymm12, %%ymm13\n\t"                                            \
+    "vpaddw %%ymm13, %%ymm0, %%ymm0\n\t"                                                      \
+    "vpmaddubsw " A "+32(%[a]), %%ymm12, %%ymm14\n\t"                                         \
+    "vpaddw %%ymm14, %%ymm1, %%ymm1\n\t"                                                      \
+    "vpmaddubsw " A "+64(%[a]), %%ymm12, %%ymm15\n\t"                                         \
+    "vpaddw %%ymm15, %%ymm2, %%ymm2\n\t"                                                      \
+    "vpmaddubsw " A "+96(%[a]), %%ymm12, %%ymm13\n\t"                                         \
+    "vpaddw %%ymm13, %%ymm3, %%ymm3\n\t"
+#define Q6_STEP2(W, A)                                                                        \
     "vpbroadcastd " W "(%[w]), %%ymm12\n\t"                                                   \
-    "vmovdqa " A "(%[a]), %%ymm5\n\t"                                                          \
-    "vmovdqa " A "+32(%[a]), %%ymm6\n\t"                                                       \
-    "vmovdqa " A "+64(%[a]), %%ymm7\n\t"                                                       \
-    "vmovdqa " A "+96(%[a]), %%ymm13\n\t"                                                      \
-    "vpmaddubsw %%ymm12, %%ymm5, %%ymm14\n\t"                                                  \
-    "vpaddw %%ymm14, %%ymm0, %%ymm0\n\t"                                                       \
-    "vpmaddubsw %%ymm12, %%ymm6, %%ymm15\n\t"                                                  \
-    "vpaddw %%ymm15, %%ymm1, %%ymm1\n\t"                                                       \
-    "vpmaddubsw %%ymm12, %%ymm7, %%ymm14\n\t"                                                  \
-    "vpaddw %%ymm14, %%ymm2, %%ymm2\n\t"                                                       \
-    "vpmaddubsw %%ymm12, %%ymm13, %%ymm15\n\t"                                                 \
-    "vpaddw %%ymm15, %%ymm3, %%ymm3\n\t"
+    "vpmaddubsw " A "(%[a]), %%ymm12, %%ymm13\n\t"                                            \
+    "vpaddw %%ymm13, %%ymm0, %%ymm0\n\t"                                                      \
+    "vpmaddubsw " A "+32(%[a]), %%ymm12, %%ymm14\n\t"                                         \
+    "vpaddw %%ymm14, %%ymm1, %%ymm1\n\t"
 #define Q6_SCALE4(S)                                                                          \
-    "vpbroadcastd " S "(%[sc]), %%ymm4\n\t"                                                    \
-    "vpmaddwd %%ymm4, %%ymm0, %%ymm0\n\t"                                                      \
-    "vpmaddwd %%ymm4, %%ymm1, %%ymm1\n\t"                                                      \
-    "vpmaddwd %%ymm4, %%ymm2, %%ymm2\n\t"                                                      \
-    "vpmaddwd %%ymm4, %%ymm3, %%ymm3\n\t"                                                      \
+    "vpbroadcastd " S "(%[sc]), %%ymm12\n\t"                                                   \
+    "vpmaddwd %%ymm12, %%ymm0, %%ymm0\n\t"                                                     \
     "vpaddd %%ymm0, %%ymm8, %%ymm8\n\t"                                                        \
+    "vpmaddwd %%ymm12, %%ymm1, %%ymm1\n\t"                                                     \
     "vpaddd %%ymm1, %%ymm9, %%ymm9\n\t"                                                        \
+    "vpmaddwd %%ymm12, %%ymm2, %%ymm2\n\t"                                                     \
     "vpaddd %%ymm2, %%ymm10, %%ymm10\n\t"                                                      \
+    "vpmaddwd %%ymm12, %%ymm3, %%ymm3\n\t"                                                     \
     "vpaddd %%ymm3, %%ymm11, %%ymm11\n\t"
-#define Q6_FIRST2(W, A)                                                                       \
-    "vpbroadcastd " W "(%[w]), %%ymm12\n\t"                                                   \
-    "vmovdqa " A "(%[a]), %%ymm5\n\t"                                                          \
-    "vmovdqa " A "+32(%[a]), %%ymm6\n\t"                                                       \
-    "vpmaddubsw %%ymm12, %%ymm5, %%ymm0\n\t"                                                   \
-    "vpmaddubsw %%ymm12, %%ymm6, %%ymm1\n\t"
-#define Q6_NEXT2(W, A)                                                                        \
-    "vpbroadcastd " W "(%[w]), %%ymm12\n\t"                                                   \
-    "vmovdqa " A "(%[a]), %%ymm5\n\t"                                                          \
-    "vmovdqa " A "+32(%[a]), %%ymm6\n\t"                                                       \
-    "vpmaddubsw %%ymm12, %%ymm5, %%ymm14\n\t"                                                  \
-    "vpaddw %%ymm14, %%ymm0, %%ymm0\n\t"                                                       \
-    "vpmaddubsw %%ymm12, %%ymm6, %%ymm15\n\t"                                                  \
-    "vpaddw %%ymm15, %%ymm1, %%ymm1\n\t"
 #define Q6_SCALE2(S)                                                                          \
-    "vpbroadcastd " S "(%[sc]), %%ymm4\n\t"                                                    \
-    "vpmaddwd %%ymm4, %%ymm0, %%ymm0\n\t"                                                      \
-    "vpmaddwd %%ymm4, %%ymm1, %%ymm1\n\t"                                                      \
+    "vpbroadcastd " S "(%[sc]), %%ymm12\n\t"                                                   \
+    "vpmaddwd %%ymm12, %%ymm0, %%ymm0\n\t"                                                     \
     "vpaddd %%ymm0, %%ymm8, %%ymm8\n\t"                                                        \
+    "vpmaddwd %%ymm12, %%ymm1, %%ymm1\n\t"                                                     \
     "vpaddd %%ymm1, %%ymm9, %%ymm9\n\t"
-/* a sub-block: 8 steps of 4 codes, the first 16 values' scale at sc, the second's at sc + 4 */
+/* a sub-block: its two 16s, 4 steps each */
 #define Q6_SUB_BLOCK(N)                                                                       \
-    Q6_FIRST##N("0", "0") Q6_NEXT##N("4", "128") Q6_SCALE##N("0")                            \
-    Q6_FIRST##N("8", "256") Q6_NEXT##N("12", "384") Q6_SCALE##N("0")                         \
-    Q6_FIRST##N("16", "512") Q6_NEXT##N("20", "640") Q6_SCALE##N("4")                        \
-    Q6_FIRST##N("24", "768") Q6_NEXT##N("28", "896") Q6_SCALE##N("4")
+    Q6_START##N("0") Q6_STEP##N("0", "0") Q6_STEP##N("4", "128") Q6_STEP##N("8", "256")        \
+    Q6_STEP##N("12", "384") Q6_SCALE##N("0")                                                   \
+    Q6_START##N("128") Q6_STEP##N("16", "512") Q6_STEP##N("20", "640")                         \
+    Q6_STEP##N("24", "768") Q6_STEP##N("28", "896") Q6_SCALE##N("4")
 #define Q6_LOOP(N, BODY)                                                                      \
     __asm__ volatile(                                                                         \
         "vpxor %%xmm8, %%xmm8, %%xmm8\n\t"                                                    \
@@ -1752,6 +1767,7 @@ static inline __attribute__((always_inline)) void q6k_row_block(const uint8_t *a
         "1:\n\t" BODY                                                                         \
         "add $32, %[w]\n\t"                                                                   \
         "add $1024, %[a]\n\t"                                                                 \
+        "add $256, %[c]\n\t"                                                                  \
         "add $8, %[sc]\n\t"                                                                   \
         "dec %[j]\n\t"                                                                        \
         "jnz 1b\n\t"                                                                          \
@@ -1759,49 +1775,41 @@ static inline __attribute__((always_inline)) void q6k_row_block(const uint8_t *a
         "vmovdqa %%ymm9, 32(%[p])\n\t"                                                        \
         "vmovdqa %%ymm10, 64(%[p])\n\t"                                                       \
         "vmovdqa %%ymm11, 96(%[p])\n\t"                                                       \
-        : [a] "+r"(a), [w] "+r"(w), [sc] "+r"(sc), [j] "+r"(j)                                \
+        : [a] "+r"(a), [w] "+r"(w), [sc] "+r"(sc), [c] "+r"(c), [j] "+r"(j)                   \
         : [p] "r"(isum)                                                                       \
-        : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7",      \
-          "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15")
+        : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm8", "xmm9", "xmm10", "xmm11",   \
+          "xmm12", "xmm13", "xmm14", "xmm15")
     long j = 8;
     if (nv == 4) Q6_LOOP(4, Q6_SUB_BLOCK(4));
     else Q6_LOOP(2, Q6_SUB_BLOCK(2));
-#undef Q6_FIRST4
-#undef Q6_NEXT4
+#undef Q6_START4
+#undef Q6_START2
+#undef Q6_STEP4
+#undef Q6_STEP2
 #undef Q6_SCALE4
-#undef Q6_FIRST2
-#undef Q6_NEXT2
 #undef Q6_SCALE2
 #undef Q6_SUB_BLOCK
 #undef Q6_LOOP
 }
 
-/* Block b of Q6_K rows for rows_q6k_wide: per row its codes u - 32 (sub-blocks in k_slot
- * order), its scales as 16-bit pairs (the same order), the constant 128 sum_g sc_g
- * sum (u - 32) and d. */
+/* Block b of Q6_K rows for rows_q6k_wide: per row its codes u (sub-blocks in k_slot
+ * order), its scales as 16-bit pairs (the same order) and d. */
 typedef struct {
     uint8_t w[GROUP_ROWS][8][32] __attribute__((aligned(32)));
     int32_t sc[GROUP_ROWS][16] __attribute__((aligned(32)));
-    int32_t off[GROUP_ROWS];
     float d[GROUP_ROWS];
 } Q6Rows;
 
 static inline __attribute__((always_inline)) void q6k_rows_unpack(const uint8_t *const *rows, int count,
                                                                   int b, Q6Rows *q) {
-    const __m256i ones = _mm256_set1_epi8(1), thirty_two = _mm256_set1_epi8(32);
     for (int r = 0; r < count; r++) {
         const uint8_t *blk = rows[r] + 210L * b;
         for (int s = 0; s < 4; s++) prefetch_rows(GGML_Q6_K, rows[r], NULL, 256L * b + 64 * s);
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
         q->d[r] = half(blk + 208);
-        __m256i o = _mm256_setzero_si256(), u[8], pair[8];
+        __m256i u[8];
         q6k_codes(blk, u);
-        q6k_scale_pairs(sc16, pair);
-        for (int j = 0; j < 8; j++) {
-            u[j] = _mm256_sub_epi8(u[j], thirty_two);
-            o = _mm256_add_epi32(o, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, u[j]), pair[j]));
-            _mm256_store_si256((__m256i *)q->w[r][k_slot(j)], u[j]);
-        }
+        for (int j = 0; j < 8; j++) _mm256_store_si256((__m256i *)q->w[r][k_slot(j)], u[j]);
         { /* the scales of groups 2 j, 2 j + 1 of sub-block j at 2 k_slot(j), + 1 */
             const __m256i lo = _mm256_unpacklo_epi16(sc16, sc16); /* 0-3, 8-11 as pairs */
             const __m256i hi = _mm256_unpackhi_epi16(sc16, sc16); /* 4-7, 12-15 */
@@ -1809,23 +1817,19 @@ static inline __attribute__((always_inline)) void q6k_rows_unpack(const uint8_t 
             _mm256_store_si256((__m256i *)q->sc[r], _mm256_permute2x128_si256(a, c, 0x20));
             _mm256_store_si256((__m256i *)(q->sc[r] + 8), _mm256_permute2x128_si256(a, c, 0x31));
         }
-        __m128i hs = _mm_add_epi32(_mm256_castsi256_si128(o), _mm256_extracti128_si256(o, 1));
-        hs = _mm_add_epi32(hs, _mm_shuffle_epi32(hs, 0x4E));
-        q->off[r] = 128 * _mm_cvtsi128_si32(_mm_add_epi32(hs, _mm_shuffle_epi32(hs, 0xB1)));
     }
 }
 
-/* Q6_K rows with a batch's tokens side by side (QuantX.qu): the same integer sum per (row,
- * token, block) as rows_dots_k_typed's one-token form, in another order. Up to 16 rows
- * (`rows`, `count` of them; out[r * TOKEN_BLOCK + t]) take each block in turn, so that the
- * block's activations (8 KiB for 32 tokens) are read from L1 by every row: row by row
- * through all blocks they came from L2 each time, at about the rate of the products. Each
- * block's codes are unpacked once, as u - 32, for all of its tokens; the activations enter
- * as x + 128 (vpmaddubsw takes one side unsigned), and the block's sum loses
- * 128 sum_g sc_g sum (u - 32), a constant of the row. As rows16_q4k_wide, a block's rows'
- * products run back to back, then the next block's unpacking (q6k_rows_unpack), then this
- * block's conversion to float (each row unpacked, multiplied and converted in turn:
- * loop_q6k_whole 342 -> 354 GOP/s). Up to 16 tokens take 2 vectors of 8, more 4. */
+/* Q6_K rows with a batch's tokens side by side (QuantX.qt and ct): the same integer sum
+ * per (row, token, block) as rows_dots_k_typed's one-token form, in another order. Up to
+ * 16 rows (`rows`, `count` of them; out[t * GROUP_ROWS + r]) take each block in turn, so
+ * that the block's activations (8 KiB for 32 tokens) are read from L1 by every row: row by
+ * row through all blocks they came from L2 each time, at about the rate of the products.
+ * Each block's codes are unpacked once for all of its tokens; the offset 32 enters through
+ * the tokens' sums (q6k_row_block). As rows16_q4k_wide, a block's rows' products run back
+ * to back, then the next block's unpacking (q6k_rows_unpack), then this block's conversion
+ * to float (each row unpacked, multiplied and converted in turn: loop_q6k_whole 342 -> 354
+ * GOP/s). Up to 16 tokens take 2 vectors of 8, more 4. */
 static void rows_q6k_wide(const uint8_t *const *rows, int count, int nt, const QuantX *x,
                           float *out) {
     const int cols = x->cols, blocks = cols / QK_BLOCK, nv = nt > 16 ? 4 : 2;
@@ -1836,22 +1840,26 @@ static void rows_q6k_wide(const uint8_t *const *rows, int count, int nt, const Q
         for (int v = 0; v < 4; v++) acc[r][v] = _mm256_setzero_ps();
     q6k_rows_unpack(rows, count, 0, &q[0]);
     for (int b = 0; b < blocks; b++) {
-        const uint8_t *act = x->qu + (long)b * QK_BLOCK * TOKEN_BLOCK;
+        const int8_t *act = x->qt + (long)b * QK_BLOCK * TOKEN_BLOCK;
+        const int32_t *offsets = x->ct + (long)b * 16 * TOKEN_BLOCK;
         const Q6Rows *cur = &q[b & 1];
-        for (int r = 0; r < count; r++) q6k_row_block(act, cur->w[r][0], cur->sc[r], nv, isum[r]);
+        for (int r = 0; r < count; r++) q6k_row_block(act, cur->w[r][0], cur->sc[r], offsets, nv, isum[r]);
         if (b + 1 < blocks) q6k_rows_unpack(rows, count, b + 1, &q[(b + 1) & 1]);
         for (int r = 0; r < count; r++) {
             for (int v = 0; v < nv; v++) {
                 const __m256 dx = _mm256_load_ps(x->dt + (long)b * TOKEN_BLOCK + 8 * v);
-                const __m256i total = _mm256_sub_epi32(isum[r][v], _mm256_set1_epi32(cur->off[r]));
-                acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(_mm256_set1_ps(cur->d[r]), dx), acc[r][v]);
+                acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][v]), _mm256_mul_ps(_mm256_set1_ps(cur->d[r]), dx), acc[r][v]);
             }
         }
+    }
+    if (count == GROUP_ROWS) {
+        store_token_rows(acc, nv, out);
+        return;
     }
     for (int r = 0; r < count; r++) {
         float lane[32];
         for (int v = 0; v < nv; v++) _mm256_storeu_ps(lane + 8 * v, acc[r][v]);
-        memcpy(out + (long)r * TOKEN_BLOCK, lane, sizeof(float) * nt);
+        for (int t = 0; t < nt; t++) out[t * GROUP_ROWS + r] = lane[t];
     }
 }
 
@@ -1871,7 +1879,7 @@ static void rows_q6k_wide(const uint8_t *const *rows, int count, int nt, const Q
  * product), 2 for one to three tokens (a decode step from memory ran 20% slower with the
  * registers of 4). */
 static void rows16_dots256(int type, const uint8_t *group, int nt, const QuantX *x, float *out) {
-    if (type == GGML_Q4_K && x->qt) {
+    if (type == GGML_Q4_K && x->mt) {
         rows16_q4k_wide(group, nt, x, out);
     } else if (type == GGML_Q4_K) ROWS16_PASSES(rows16_q4k);
     else if (type == GGML_Q4_0) ROWS16_PASSES(ROWS16_Q4_0);
@@ -2033,39 +2041,38 @@ static inline void store_group(float *y, int ldy, int accumulate, const float *b
     }
 }
 
-/* y[t0 + t, row + i] (+)= out[t * stride + i] (+ bias[row + i]) for nt tokens, count rows. */
-static inline void store_rows(float *y, int ldy, int accumulate, const float *bias, int row,
-                              int count, int t0, int nt, const float *out, int stride) {
-    for (int i = 0; i < count; i++) {
-        const float add = bias ? bias[row + i] : 0.0f;
-        for (int t = 0; t < nt; t++) {
-            float *yt = y + (long)(t0 + t) * ldy + row + i;
-            const float v = out[t * stride + i];
-            *yt = accumulate ? *yt + (v + add) : v + add;
-        }
-    }
-}
-
 /* The rows of a window of 16 (rows row .. row + 15 of y) that `filled` marks, from out[t * 16
- * + i]: a whole window as store_group does (a token's 16 rows in two vectors; row by row,
- * the outputs of 32 tokens lie 4 KiB multiples apart, one L1 set), a part of one (a
- * thread's share starts or ends inside it, a part's rows end) row by row. */
+ * + i], a token's 16 rows in two vectors (row by row, the outputs of 32 tokens lie 4 KiB
+ * multiples apart, one L1 set): a whole window as store_group does, a part of one (a
+ * thread's run starts or ends inside it, a part's rows end) through masked loads and stores,
+ * which touch only its rows (the others may be another thread's). Scalar stores row by row
+ * took ~6% of an lm_head's time at batch 32, its threads' runs cutting windows. */
 static inline void flush_window(float *y, int ldy, int accumulate, const float *bias, int row,
                                 unsigned filled, int t0, int nt, const float *out) {
     if (filled == 0xFFFFu) {
         store_group(y, ldy, accumulate, bias, row, t0, nt, out);
         return;
     }
-    for (int i = 0; i < GROUP_ROWS; i++)
-        if (filled >> i & 1) store_rows(y, ldy, accumulate, bias, row + i, 1, t0, nt, out + i, GROUP_ROWS);
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    for (int h = 0; h < GROUP_ROWS; h += 8) {
+        if (!(filled >> h & 0xFFu)) continue;
+        const __m256i mask = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)(filled >> h)), bit), bit);
+        const __m256 add = bias ? _mm256_maskload_ps(bias + row + h, mask) : _mm256_setzero_ps();
+        for (int t = 0; t < nt; t++) {
+            float *yt = y + (long)(t0 + t) * ldy + row + h;
+            __m256 v = _mm256_loadu_ps(out + t * GROUP_ROWS + h);
+            if (bias) v = _mm256_add_ps(v, add);
+            if (accumulate) v = _mm256_add_ps(_mm256_maskload_ps(yt, mask), v);
+            _mm256_maskstore_ps(yt, mask, v);
+        }
+    }
 }
 
-/* QuantX.qt and mt (where qt is not NULL), qu (where qu is not NULL) and dt from nt tokens'
+/* QuantX.qt and dt, mt (where mt is not NULL) and ct (where ct is not NULL) from nt tokens'
  * per-256 activations (qk, dk, bsum); the lanes of tokens nt .. TOKEN_BLOCK - 1 hold zero
  * codes. */
 static void tokens_side_by_side(const int8_t *qk, const float *dk, const int16_t *bsum, int nt,
-                                int cols, int8_t *qt, uint8_t *qu, int32_t *mt, float *dt) {
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
+                                int cols, int8_t *qt, int32_t *mt, int32_t *ct, float *dt) {
     const int blocks = cols / QK_BLOCK, whole = nt / 8 * 8;
     /* 8 tokens' 8 x 4 codes at a time, an 8 x 8 transpose of 32-bit lanes */
     for (int t = 0; t < whole; t += 8)
@@ -2085,30 +2092,37 @@ static void tokens_side_by_side(const int8_t *qk, const float *dk, const int16_t
             for (int j = 0; j < 8; j++) {
                 const long at = ((long)(c + j) * TOKEN_BLOCK + t) * 4;
                 const __m256i v = _mm256_permute2x128_si256(r[j % 4], r[j % 4 + 4], j < 4 ? 0x20 : 0x31);
-                if (qt) _mm256_store_si256((__m256i *)(qt + at), v);
-                if (qu) _mm256_store_si256((__m256i *)(qu + at), _mm256_xor_si256(v, flip));
+                _mm256_store_si256((__m256i *)(qt + at), v);
             }
         }
     for (int c = 0; c < cols / 4; c++)
         for (int t = whole; t < TOKEN_BLOCK; t++) {
             uint32_t v = 0;
             if (t < nt) memcpy(&v, qk + (long)t * cols + 4 * c, 4);
-            const long at = ((long)c * TOKEN_BLOCK + t) * 4;
-            if (qt) memcpy(qt + at, &v, 4);
-            v ^= 0x80808080u;
-            if (qu) memcpy(qu + at, &v, 4);
+            memcpy(qt + ((long)c * TOKEN_BLOCK + t) * 4, &v, 4);
         }
     for (int b = 0; b < blocks; b++) {
         for (int t = 0; t < TOKEN_BLOCK; t++) {
             const int16_t *bs = bsum + ((long)t * blocks + b) * 16;
             dt[b * TOKEN_BLOCK + t] = t < nt ? dk[(long)t * blocks + b] : 0.0f;
-            for (int c = 0; qt && c < 4; c++) /* the mins' sums: Q4_K's alone */
+            for (int c = 0; mt && c < 4; c++) /* the mins' sums: Q4_K's alone */
                 mt[(b * 4 + c) * TOKEN_BLOCK + t] =
                     t < nt ? (int32_t)((uint32_t)(uint16_t)(bs[4 * c] + bs[4 * c + 1]) |
                                        (uint32_t)(uint16_t)(bs[4 * c + 2] + bs[4 * c + 3]) << 16)
                            : 0;
         }
     }
+    if (!ct) return;
+    /* Q6_K's offsets: per 16 of a sub-block slot, its 4 steps' pair sums (vpmaddubsw by
+     * ones: 16-bit halves as q6k_row_block's products fill them) times -32 */
+    const __m256i ones = _mm256_set1_epi8(1);
+    for (int g = 0; g < blocks * 16; g++) /* g = (b * 8 + s) * 2 + h */
+        for (int v = 0; v < TOKEN_BLOCK / 8; v++) {
+            __m256i sum = _mm256_setzero_si256();
+            for (int k = 0; k < 4; k++)
+                sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(ones, _mm256_load_si256((const __m256i *)(qt + ((long)(4 * g + k) * TOKEN_BLOCK + 8 * v) * 4))));
+            _mm256_store_si256((__m256i *)(ct + (long)g * TOKEN_BLOCK + 8 * v), _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(sum, 5)));
+        }
 }
 
 /* A team's shares of the units of a linear (groups of 16 interleaved rows, pairs of
@@ -2175,40 +2189,44 @@ static void quant_units(const QuantWeight *w, const float *bias, const float *x,
                 store_group(y, ldy, accumulate, bias, first_row + r0, t0, nt, out);
                 continue;
             }
-            /* Q6_K with the tokens side by side: 8 units (16 rows) a pass, sharing each
-             * block's activations in L1; other rows a unit (2) at a time */
-            const int wide = part->type == GGML_Q6_K && qx->qu;
-            units = wide ? (hi - u < GROUP_ROWS / 2 ? hi - u : GROUP_ROWS / 2) : 1;
-            const int count = (part->rows < (u + units) * 2 ? part->rows : (u + units) * 2) - r0;
-            if (wide) {
+            /* Q6_K with the tokens side by side: up to 8 units (16 rows, the rest of a
+             * window of 16) a pass, sharing each block's activations in L1, its outputs
+             * straight into the window; other rows a unit (2) at a time */
+            if (part->type == GGML_Q6_K && qx->ct) {
+                const int at = r0 % GROUP_ROWS, room = (GROUP_ROWS - at) / 2;
+                units = hi - u < room ? hi - u : room;
+                const int count = (part->rows < (u + units) * 2 ? part->rows : (u + units) * 2) - r0;
                 const uint8_t *rows[GROUP_ROWS];
                 for (int k = 0; k < count; k++) rows[k] = quant_row(part, r0 + k);
-                rows_q6k_wide(rows, count, nt, qx, out);
-            }
-            for (int r = 0; r < count; r += 2) {
-                const int two = r + 1 < count;
-                const float *o = wide ? out + r * TOKEN_BLOCK : out; /* the pair's outputs */
-                if (is_float_type(part->type)) {
-                    for (int k = 0; k <= two; k++) {
-                        dequant_row(part->type, quant_row(part, r0 + r + k), cols, row_f32);
-                        for (int t = 0; t < nt; t++)
-                            out[k * TOKEN_BLOCK + t] = row_dot_f32(row_f32, x + (long)(t0 + t) * cols, cols);
-                    }
-                } else if (!wide)
-                    rows_dots(part->type, quant_row(part, r0 + r),
-                              two ? quant_row(part, r0 + r + 1) : NULL, nt, qx, out,
-                              out + TOKEN_BLOCK);
-                /* into the window of 16 rows, stored a whole window at a time */
-                const int row = r0 + r, at = row % GROUP_ROWS;
-                if (row - at != window) {
+                if (r0 - at != window) {
                     flush_window(y, ldy, accumulate, bias, first_row + window, filled, t0, nt, stage);
-                    window = row - at;
+                    window = r0 - at;
                     filled = 0;
                 }
-                for (int k = 0; k <= two; k++)
-                    for (int t = 0; t < nt; t++) stage[t * GROUP_ROWS + at + k] = o[k * TOKEN_BLOCK + t];
-                filled |= (two ? 3u : 1u) << at;
+                rows_q6k_wide(rows, count, nt, qx, stage + at);
+                filled |= ((1u << count) - 1) << at;
+                continue;
             }
+            const int two = r0 + 1 < part->rows; /* the unit's second row */
+            if (is_float_type(part->type)) {
+                for (int k = 0; k <= two; k++) {
+                    dequant_row(part->type, quant_row(part, r0 + k), cols, row_f32);
+                    for (int t = 0; t < nt; t++)
+                        out[k * TOKEN_BLOCK + t] = row_dot_f32(row_f32, x + (long)(t0 + t) * cols, cols);
+                }
+            } else
+                rows_dots(part->type, quant_row(part, r0), two ? quant_row(part, r0 + 1) : NULL, nt,
+                          qx, out, out + TOKEN_BLOCK);
+            /* into the window of 16 rows, stored a whole window at a time */
+            const int at = r0 % GROUP_ROWS;
+            if (r0 - at != window) {
+                flush_window(y, ldy, accumulate, bias, first_row + window, filled, t0, nt, stage);
+                window = r0 - at;
+                filled = 0;
+            }
+            for (int k = 0; k <= two; k++)
+                for (int t = 0; t < nt; t++) stage[t * GROUP_ROWS + at + k] = out[k * TOKEN_BLOCK + t];
+            filled |= (two ? 3u : 1u) << at;
         }
         flush_window(y, ldy, accumulate, bias, first_row + window, filled, t0, nt, stage);
         window = -GROUP_ROWS;
@@ -2250,11 +2268,11 @@ static void quant_linear_impl(const QuantWeight *w, const float *bias, const flo
         wide6 |= w->parts[p].type == GGML_Q6_K && quant_isa != 2;
     }
     const int kt = wide4 || wide6 ? cols : 0;
-    int8_t qt[TOKEN_BLOCK * (wide4 ? kt : 0) + 32] __attribute__((aligned(32)));
-    uint8_t qu[TOKEN_BLOCK * (wide6 ? kt : 0) + 32] __attribute__((aligned(32)));
-    int32_t mt[TOKEN_BLOCK * 4 * (kt / QK_BLOCK) + 8] __attribute__((aligned(32)));
+    int8_t qt[TOKEN_BLOCK * kt + 32] __attribute__((aligned(32)));
+    int32_t mt[TOKEN_BLOCK * 4 * (wide4 ? kt / QK_BLOCK : 0) + 8] __attribute__((aligned(32)));
+    int32_t ct[TOKEN_BLOCK * 16 * (wide6 ? kt / QK_BLOCK : 0) + 8] __attribute__((aligned(32)));
     float dt[TOKEN_BLOCK * (kt / QK_BLOCK) + 8] __attribute__((aligned(32)));
-    QuantX qx = {q, scale, xsum, xblock, qk, dk, bsum, NULL, NULL, mt, dt, cols};
+    QuantX qx = {q, scale, xsum, xblock, qk, dk, bsum, qt, NULL, NULL, dt, cols};
     float row_f32[cols], out[GROUP_ROWS * TOKEN_BLOCK], stage[GROUP_ROWS * TOKEN_BLOCK];
     long total = 0;
     int units = 0;
@@ -2273,9 +2291,9 @@ static void quant_linear_impl(const QuantWeight *w, const float *bias, const flo
             if (legacy) quantize_x(xt, cols, q + t * qs, scale + t * xs, xsum + t * xs, xblock + t * xb);
             if (k_quant) quantize_xk(xt, cols, qk + t * kq, dk + t * kb, bsum + t * 16 * kb);
         }
-        qx.qt = wide4 && nt >= WIDE_Q4K_TOKENS ? qt : NULL;
-        qx.qu = wide6 && nt >= WIDE_Q6K_TOKENS ? qu : NULL;
-        if (qx.qt || qx.qu) tokens_side_by_side(qk, dk, bsum, nt, cols, qx.qt ? qt : NULL, qx.qu ? qu : NULL, mt, dt);
+        qx.mt = wide4 && nt >= WIDE_Q4K_TOKENS ? mt : NULL;
+        qx.ct = wide6 && nt >= WIDE_Q6K_TOKENS ? ct : NULL;
+        if (qx.mt || qx.ct) tokens_side_by_side(qk, dk, bsum, nt, cols, qt, qx.mt ? mt : NULL, qx.ct ? ct : NULL, dt);
         if (cuts) { /* the tests' runs: units [cuts[i - 1], cuts[i]), the last first */
             for (int i = num_cuts - 1; i > 0; i--)
                 quant_units(w, bias, x, cols, y, ldy, accumulate, &qx, t0, nt, cuts[i - 1], cuts[i], row_f32, out, stage);
@@ -2394,22 +2412,23 @@ void infire_dense_linear(const void *w, int bf16, const float *bias, const float
     linear_impl(w, bf16 ? WEIGHT_BF16 : WEIGHT_F32, bias, x, n, cols, y, rows, rows, 0, NULL);
 }
 
-/* Exported for the tests and benchmarks: y[n, rows] = x[n, cols] W^T through the kernel's
- * QuantWeight path (the one the forward takes), on the OpenMP threads. */
-void infire_quant_linear(const QuantWeight *w, const float *x, int n, int cols, float *y,
-                         int rows) {
+/* Exported for the tests and benchmarks: y[n, rows] (+)= x[n, cols] W^T (+ bias) through
+ * the kernel's QuantWeight path (the one the forward takes), on the OpenMP threads. */
+void infire_quant_linear(const QuantWeight *w, const float *bias, const float *x, int n, int cols,
+                         float *y, int rows, int accumulate) {
     Team team;
     memset(&team, 0, sizeof team);
 #pragma omp parallel
-    quant_linear_impl(w, NULL, x, n, cols, y, rows, 0, &team, NULL, 0);
+    quant_linear_impl(w, bias, x, n, cols, y, rows, accumulate, &team, NULL, 0);
 }
 
 /* Exported for the tests: the same on one thread, in runs of units [cuts[i - 1], cuts[i])
  * (cuts[0] = 0, the last the weight's units), the last run first, as a thread that takes
  * another's units from their back runs them. */
-void infire_quant_linear_runs(const QuantWeight *w, const float *x, int n, int cols, float *y,
-                              int rows, const int *cuts, int num_cuts) {
-    quant_linear_impl(w, NULL, x, n, cols, y, rows, 0, NULL, cuts, num_cuts);
+void infire_quant_linear_runs(const QuantWeight *w, const float *bias, const float *x, int n,
+                              int cols, float *y, int rows, int accumulate, const int *cuts,
+                              int num_cuts) {
+    quant_linear_impl(w, bias, x, n, cols, y, rows, accumulate, NULL, cuts, num_cuts);
 }
 
 /* Exported: out[r] = the index of the largest of x[r, :cols] for `rows` rows, the first

@@ -431,18 +431,26 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def quant_linear(
-    weight: QuantWeight, x: torch.Tensor, runs: list[int] | None = None
+    weight: QuantWeight,
+    x: torch.Tensor,
+    runs: list[int] | None = None,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [n, cols] float32 times a QuantWeight's transpose, through the forward's kernel.
-    `runs` (for the tests): the weight's units (groups of 16 interleaved rows, pairs of
-    others) cut into runs [runs[i - 1], runs[i]) (runs[0] = 0, the last all the units),
-    taken on one thread, the last run first, as a thread taking another's from their back
-    does."""
+    """x [n, cols] float32 times a QuantWeight's transpose (+ bias [rows]), through the
+    forward's kernel: a new tensor, or added into `out` [n, rows] (as o_proj and down add
+    into the residual). `runs` (for the tests): the weight's units (groups of 16
+    interleaved rows, pairs of others) cut into runs [runs[i - 1], runs[i]) (runs[0] = 0,
+    the last all the units), taken on one thread, the last run first, as a thread taking
+    another's from their back does."""
     lib = _library()
     x = x.float().contiguous()
-    y = torch.empty(x.shape[0], weight.rows)
-    args = (ctypes.byref(weight), _ptr(x.data_ptr()), x.shape[0], x.shape[1], _ptr(y.data_ptr()),
-            weight.rows)  # fmt: skip
+    y = torch.empty(x.shape[0], weight.rows) if out is None else out
+    if y.shape != (x.shape[0], weight.rows) or y.dtype != torch.float32 or not y.is_contiguous():
+        raise ValueError("out is a contiguous float32 [n, rows] tensor")
+    b = None if bias is None else bias.float().contiguous()
+    args = (ctypes.byref(weight), None if b is None else _ptr(b.data_ptr()), _ptr(x.data_ptr()),
+            x.shape[0], x.shape[1], _ptr(y.data_ptr()), weight.rows, int(out is not None))  # fmt: skip
     if runs is None:
         lib.infire_quant_linear(*args)
     else:
