@@ -304,6 +304,8 @@ def test_units_taken_in_any_runs_give_the_same_products_bit_for_bit() -> None:
         assert torch.equal(quant_linear(w, x[:n], [0, units]), whole)
         with_bias = quant_linear(w, x[:n], bias=bias)
         assert torch.equal(with_bias, whole + bias)
+        with pytest.raises(ValueError, match="bias of"):
+            quant_linear(w, x[:n], bias=bias[1:])
         residual = torch.from_numpy(rng.standard_normal((n, w.rows)).astype(np.float32))
         for _ in range(4):
             cuts = sorted(rng.choice(np.arange(1, units), size=6, replace=False).tolist())

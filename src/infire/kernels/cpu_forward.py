@@ -448,6 +448,8 @@ def quant_linear(
     y = torch.empty(x.shape[0], weight.rows) if out is None else out
     if y.shape != (x.shape[0], weight.rows) or y.dtype != torch.float32 or not y.is_contiguous():
         raise ValueError("out is a contiguous float32 [n, rows] tensor")
+    if bias is not None and bias.numel() != weight.rows:
+        raise ValueError(f"a bias of {weight.rows} values, not {bias.numel()}")
     b = None if bias is None else bias.float().contiguous()
     args = (ctypes.byref(weight), None if b is None else _ptr(b.data_ptr()), _ptr(x.data_ptr()),
             x.shape[0], x.shape[1], _ptr(y.data_ptr()), weight.rows, int(out is not None))  # fmt: skip
