@@ -1558,6 +1558,20 @@ static inline __attribute__((always_inline)) void store_token_rows(__m256 acc[GR
         }
 }
 
+/* A step of the wide kernels' inner loops (wide_row_block, q6k_row_block): a row's 4 codes
+ * (at W) broadcast against 4 vectors of 8 tokens' activations (at A), added to the 16-bit
+ * sums ymm0-3 */
+#define WIDE_STEP(W, A)                                                                       \
+    "vpbroadcastd " W "(%[w]), %%ymm12\n\t"                                                   \
+    "vpmaddubsw " A "(%[a]), %%ymm12, %%ymm13\n\t"                                            \
+    "vpaddw %%ymm13, %%ymm0, %%ymm0\n\t"                                                      \
+    "vpmaddubsw " A "+32(%[a]), %%ymm12, %%ymm14\n\t"                                         \
+    "vpaddw %%ymm14, %%ymm1, %%ymm1\n\t"                                                      \
+    "vpmaddubsw " A "+64(%[a]), %%ymm12, %%ymm15\n\t"                                         \
+    "vpaddw %%ymm15, %%ymm2, %%ymm2\n\t"                                                      \
+    "vpmaddubsw " A "+96(%[a]), %%ymm12, %%ymm13\n\t"                                         \
+    "vpaddw %%ymm13, %%ymm3, %%ymm3\n\t"
+
 /* The inner loop of rows16_q4k_wide: a whole 256-value block of one row with 32 tokens.
  * Sub-block j (in k_slot order) has the row's codes at w + 512 j + 64 k (4 for each k), its
  * scale as a 16-bit pair at sc[16 j], and the tokens' activations at a + 1024 j + 128 k (4
@@ -1576,16 +1590,6 @@ static inline __attribute__((always_inline)) void wide_row_block(const int8_t *a
     "vpmaddubsw 32(%[a]), %%ymm12, %%ymm1\n\t"                                                \
     "vpmaddubsw 64(%[a]), %%ymm12, %%ymm2\n\t"                                                \
     "vpmaddubsw 96(%[a]), %%ymm12, %%ymm3\n\t"
-#define WIDE_STEP(W, A)                                                                       \
-    "vpbroadcastd " W "(%[w]), %%ymm12\n\t"                                                   \
-    "vpmaddubsw " A "(%[a]), %%ymm12, %%ymm13\n\t"                                            \
-    "vpaddw %%ymm13, %%ymm0, %%ymm0\n\t"                                                      \
-    "vpmaddubsw " A "+32(%[a]), %%ymm12, %%ymm14\n\t"                                         \
-    "vpaddw %%ymm14, %%ymm1, %%ymm1\n\t"                                                      \
-    "vpmaddubsw " A "+64(%[a]), %%ymm12, %%ymm15\n\t"                                         \
-    "vpaddw %%ymm15, %%ymm2, %%ymm2\n\t"                                                      \
-    "vpmaddubsw " A "+96(%[a]), %%ymm12, %%ymm13\n\t"                                         \
-    "vpaddw %%ymm13, %%ymm3, %%ymm3\n\t"
 #define WIDE_SCALE(S, I) "vpmaddwd %%ymm12, %%ymm" S ", %%ymm" S "\n\t" "vpaddd %%ymm" S ", %%ymm" I ", %%ymm" I "\n\t"
     long j = 8;
     __asm__ volatile(
@@ -1614,7 +1618,6 @@ static inline __attribute__((always_inline)) void wide_row_block(const int8_t *a
         : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm8", "xmm9", "xmm10", "xmm11",
           "xmm12", "xmm13", "xmm14", "xmm15");
 #undef WIDE_FIRST
-#undef WIDE_STEP
 #undef WIDE_SCALE
 }
 
@@ -1720,16 +1723,7 @@ static inline __attribute__((always_inline)) void q6k_row_block(const int8_t *a,
     "vmovdqa " C "(%[c]), %%ymm0\n\t"                                                          \
     "vmovdqa " C "+32(%[c]), %%ymm1\n\t"
 /* 4 codes of the row (at W) against nv vectors of activations (at A), added to the sums */
-#define Q6_STEP4(W, A)                                                                        \
-    "vpbroadcastd " W "(%[w]), %%ymm12\n\t"                                                   \
-    "vpmaddubsw " A "(%[a]), %%ymm12, %%ymm13\n\t"                                            \
-    "vpaddw %%ymm13, %%ymm0, %%ymm0\n\t"                                                      \
-    "vpmaddubsw " A "+32(%[a]), %%ymm12, %%ymm14\n\t"                                         \
-    "vpaddw %%ymm14, %%ymm1, %%ymm1\n\t"                                                      \
-    "vpmaddubsw " A "+64(%[a]), %%ymm12, %%ymm15\n\t"                                         \
-    "vpaddw %%ymm15, %%ymm2, %%ymm2\n\t"                                                      \
-    "vpmaddubsw " A "+96(%[a]), %%ymm12, %%ymm13\n\t"                                         \
-    "vpaddw %%ymm13, %%ymm3, %%ymm3\n\t"
+#define Q6_STEP4(W, A) WIDE_STEP(W, A)
 #define Q6_STEP2(W, A)                                                                        \
     "vpbroadcastd " W "(%[w]), %%ymm12\n\t"                                                   \
     "vpmaddubsw " A "(%[a]), %%ymm12, %%ymm13\n\t"                                            \
