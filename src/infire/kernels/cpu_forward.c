@@ -1708,7 +1708,7 @@ static inline __attribute__((always_inline)) void rows16_q4k_wide(const uint8_t 
  * Then vpmaddwd by the 16's scale, vpaddd into isum[0 .. nv - 1], which stay in registers
  * for the block. Against (x + 128)(u - 32), which reaches 16320 a pair and took a vpmaddwd
  * every 2 steps: 40 multiplies a 32-value sub-block instead of 48 (the inner loop alone,
- * 32 tokens in L1: 275 -> 356 GOP/s on 2 Zen 3 threads). One row at a time, as Q4_K's
+ * 32 tokens in L1, alternated: 363 -> 429 GOP/s on 2 Zen 3 threads). One row at a time, as Q4_K's
  * wide_row_block. */
 static inline __attribute__((always_inline)) void q6k_row_block(const int8_t *a, const uint8_t *w,
                                                                 const int32_t *sc, const int32_t *c,
@@ -2183,20 +2183,22 @@ static void quant_units(const QuantWeight *w, const float *bias, const float *x,
                 store_group(y, ldy, accumulate, bias, first_row + r0, t0, nt, out);
                 continue;
             }
-            /* Q6_K with the tokens side by side: up to 8 units (16 rows, the rest of a
-             * window of 16) a pass, sharing each block's activations in L1, its outputs
-             * straight into the window; other rows a unit (2) at a time */
+            /* other rows into their window of 16, stored a whole window at a time */
+            const int at = r0 % GROUP_ROWS;
+            if (r0 - at != window) {
+                flush_window(y, ldy, accumulate, bias, first_row + window, filled, t0, nt, stage);
+                window = r0 - at;
+                filled = 0;
+            }
+            /* Q6_K with the tokens side by side: up to 8 units (16 rows, the rest of the
+             * window) a pass, sharing each block's activations in L1, its outputs straight
+             * into the window; other rows a unit (2) at a time */
             if (part->type == GGML_Q6_K && qx->ct) {
-                const int at = r0 % GROUP_ROWS, room = (GROUP_ROWS - at) / 2;
+                const int room = (GROUP_ROWS - at) / 2;
                 units = hi - u < room ? hi - u : room;
                 const int count = (part->rows < (u + units) * 2 ? part->rows : (u + units) * 2) - r0;
                 const uint8_t *rows[GROUP_ROWS];
                 for (int k = 0; k < count; k++) rows[k] = quant_row(part, r0 + k);
-                if (r0 - at != window) {
-                    flush_window(y, ldy, accumulate, bias, first_row + window, filled, t0, nt, stage);
-                    window = r0 - at;
-                    filled = 0;
-                }
                 rows_q6k_wide(rows, count, nt, qx, stage + at);
                 filled |= ((1u << count) - 1) << at;
                 continue;
@@ -2211,13 +2213,6 @@ static void quant_units(const QuantWeight *w, const float *bias, const float *x,
             } else
                 rows_dots(part->type, quant_row(part, r0), two ? quant_row(part, r0 + 1) : NULL, nt,
                           qx, out, out + TOKEN_BLOCK);
-            /* into the window of 16 rows, stored a whole window at a time */
-            const int at = r0 % GROUP_ROWS;
-            if (r0 - at != window) {
-                flush_window(y, ldy, accumulate, bias, first_row + window, filled, t0, nt, stage);
-                window = r0 - at;
-                filled = 0;
-            }
             for (int k = 0; k <= two; k++)
                 for (int t = 0; t < nt; t++) stage[t * GROUP_ROWS + at + k] = out[k * TOKEN_BLOCK + t];
             filled |= (two ? 3u : 1u) << at;
@@ -2285,9 +2280,10 @@ static void quant_linear_impl(const QuantWeight *w, const float *bias, const flo
             if (legacy) quantize_x(xt, cols, q + t * qs, scale + t * xs, xsum + t * xs, xblock + t * xb);
             if (k_quant) quantize_xk(xt, cols, qk + t * kq, dk + t * kb, bsum + t * 16 * kb);
         }
-        qx.mt = wide4 && nt >= WIDE_Q4K_TOKENS ? mt : NULL;
-        qx.ct = wide6 && nt >= WIDE_Q6K_TOKENS ? ct : NULL;
-        if (qx.mt || qx.ct) tokens_side_by_side(qk, dk, bsum, nt, cols, qt, qx.mt ? mt : NULL, qx.ct ? ct : NULL, dt);
+        int32_t *mins = wide4 && nt >= WIDE_Q4K_TOKENS ? mt : NULL;
+        int32_t *offsets = wide6 && nt >= WIDE_Q6K_TOKENS ? ct : NULL;
+        qx.mt = mins, qx.ct = offsets;
+        if (mins || offsets) tokens_side_by_side(qk, dk, bsum, nt, cols, qt, mins, offsets, dt);
         if (cuts) { /* the tests' runs: units [cuts[i - 1], cuts[i]), the last first */
             for (int i = num_cuts - 1; i > 0; i--)
                 quant_units(w, bias, x, cols, y, ldy, accumulate, &qx, t0, nt, cuts[i - 1], cuts[i], row_f32, out, stage);
