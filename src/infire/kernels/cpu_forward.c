@@ -778,32 +778,46 @@ static inline __attribute__((always_inline)) void k_ints(int type, const uint8_t
     k->dmin = half(blk + 2);
 }
 
-/* A Q6_K block's 8 sub-blocks (values 32 j .. 32 j + 31): 32 codes (0..63) each. Per half
- * of the block, 2 x 32 bytes of low nibbles and 32 of top 2 bits make its 4 sub-blocks. */
-static inline __attribute__((always_inline)) void q6k_codes(const uint8_t *blk, __m256i u[8]) {
+/* Half hh of a Q6_K block: its sub-blocks 4 hh .. 4 hh + 3 (values 32 j .. 32 j + 31), 32
+ * codes (0..63) each, from 2 x 32 bytes of low nibbles and 32 of top 2 bits. */
+static inline __attribute__((always_inline)) void q6k_half_codes(const uint8_t *blk, int hh,
+                                                                 __m256i u[4]) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
-    for (int hh = 0; hh < 2; hh++) {
-        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * hh));
-        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * hh + 32));
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * hh));
-        u[4 * hh] = _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2));
-        u[4 * hh + 1] = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2));
-        u[4 * hh + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(qh, top2));
-        u[4 * hh + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                                        _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2));
-    }
+    const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * hh));
+    const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * hh + 32));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * hh));
+    u[0] = _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), top2));
+    u[1] = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), top2));
+    u[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(qh, top2));
+    u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                           _mm256_and_si256(_mm256_srli_epi16(qh, 2), top2));
 }
 
-/* Per Q6_K sub-block j, the scales of its two 16s (8-bit, sign-extended in `sc16`) as 16
- * 16-bit lanes: sc_2j in the low 128 bits, sc_2j+1 in the high ones. */
+/* A Q6_K block's 8 sub-blocks' codes. */
+static inline __attribute__((always_inline)) void q6k_codes(const uint8_t *blk, __m256i u[8]) {
+    q6k_half_codes(blk, 0, u);
+    q6k_half_codes(blk, 1, u + 4);
+}
+
+/* The scales of Q6_K sub-block j's two 16s as 16 16-bit lanes, sc_2j in the low 128 bits
+ * and sc_2j+1 in the high ones, from `lane`: the 8 scales of j's half of the block (its
+ * 16-bit scales' 128-bit lane j / 4) in both lanes. A `vpshufb` (lane-crossing
+ * `vpermd` took 8 a row's block). */
+static inline __attribute__((always_inline)) __m256i q6k_scale_pair(__m256i lane, int j) {
+    const __m256i word = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2,
+                                          3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    return _mm256_shuffle_epi8(lane, _mm256_add_epi8(word, _mm256_set1_epi8((char)(4 * (j % 4)))));
+}
+
+/* A Q6_K block's 16-bit scales (`sc16`, sign-extended) in both 128-bit lanes, half hh's. */
+static inline __attribute__((always_inline)) __m256i q6k_scale_half(__m256i sc16, int hh) {
+    return _mm256_permute2x128_si256(sc16, sc16, hh ? 0x11 : 0x00);
+}
+
+/* Per Q6_K sub-block j, q6k_scale_pair's scales. */
 static inline __attribute__((always_inline)) void q6k_scale_pairs(__m256i sc16, __m256i pair[8]) {
-    const __m256i lo = _mm256_unpacklo_epi16(sc16, sc16); /* sc 0-3, 8-11 as 16-bit pairs */
-    const __m256i hi = _mm256_unpackhi_epi16(sc16, sc16); /* 4-7, 12-15 */
-    for (int j = 0; j < 8; j++) {
-        const int at = 4 * (j / 4) + 2 * (j % 2);
-        const __m256i index = _mm256_setr_epi32(at, at, at, at, at + 1, at + 1, at + 1, at + 1);
-        pair[j] = _mm256_permutevar8x32_epi32(j / 2 % 2 ? hi : lo, index);
-    }
+    const __m256i lo = q6k_scale_half(sc16, 0), hi = q6k_scale_half(sc16, 1);
+    for (int j = 0; j < 8; j++) pair[j] = q6k_scale_pair(j < 4 ? lo : hi, j);
 }
 
 /* Sub-block j (values 32 j .. 32 j + 31) of a Q4_K or Q5_K block: 32 codes. */
@@ -895,6 +909,61 @@ static inline __attribute__((always_inline)) __m256i dot_s16(__m256i acc, __m256
     if (vnni == 1) return dpwssd_vex(acc, a, b);
     if (vnni == 2) return dpwssd_evex(acc, a, b);
     return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+}
+
+/* A Q6_K block's integer sum sc (u - 32) x with one token's activations `q` (k_slot
+ * order; `bsum` their 16s' sums), 8 lanes to add: each sub-block's codes are unpacked
+ * and meet the token at once. The form for several tokens keeps a block's 8 unpacked
+ * vectors (and 8 scale pairs) for every token: at two rows they spill, and a row's
+ * block ran at 28 reference cycles in L1 on Zen 3 against 22 in this form. */
+static inline __attribute__((always_inline)) __m256i q6k_block_dots1(const uint8_t *blk,
+                                                                     const int8_t *q,
+                                                                     __m256i bsum,
+                                                                     const int vnni) {
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+    __m256i dots = _mm256_setzero_si256();
+    for (int hh = 0; hh < 2; hh++) {
+        const __m256i lane = q6k_scale_half(sc16, hh);
+        __m256i u[4];
+        q6k_half_codes(blk, hh, u);
+        for (int i = 0; i < 4; i++) {
+            const __m256i xq = _mm256_loadu_si256((const __m256i *)(q + 32 * k_slot(4 * hh + i)));
+            dots = dot_s16(dots, _mm256_maddubs_epi16(u[i], xq), q6k_scale_pair(lane, i), vnni);
+            /* one chain of adds: GCC otherwise sums the 8 products as a tree, all of them
+             * live at once, and spills them */
+            __asm__("" : "+x"(dots));
+        }
+    }
+    return _mm256_sub_epi32(dots, _mm256_slli_epi32(_mm256_madd_epi16(bsum, sc16), 5));
+}
+
+/* Q6_K rows `row0` and `row1` (row1 NULL where nr is 1) with one token: the same integer
+ * sums and float operations as rows_dots_k_typed's, block by block. */
+static inline __attribute__((always_inline)) void q6k_rows_dots1(const int nr, const uint8_t *row0,
+                                                                 const uint8_t *row1,
+                                                                 const QuantX *x, float *out0,
+                                                                 float *out1, const int vnni) {
+    const int blocks = x->cols / QK_BLOCK;
+    __m128 whole = _mm_setzero_ps(); /* rows 0 and 1 in lanes 0 and 1 */
+    for (int b = 0; b < blocks; b++) {
+        for (int s = 0; s < 4; s++) prefetch_rows(GGML_Q6_K, row0, row1, 256L * b + 64 * s);
+        const int8_t *q = x->qk + QK_BLOCK * b;
+        const __m256i bsum = _mm256_loadu_si256((const __m256i *)(x->bsum + 16 * b));
+        const float dx = x->dk[b];
+        const uint8_t *blk0 = row0 + 210L * b, *blk1 = (nr == 2 ? row1 : row0) + 210L * b;
+        const __m256i d0 = q6k_block_dots1(blk0, q, bsum, vnni);
+        /* row 1 reads the activations again (memory operands): kept from row 0, GCC spills
+         * them and the products (23 reference cycles a row's block against 21.5) */
+        __asm__ volatile("" : : : "memory");
+        const __m256i d1 = nr == 2 ? q6k_block_dots1(blk1, q, bsum, vnni) : d0;
+        const __m256i h = _mm256_hadd_epi32(d0, d1);
+        __m128i total = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+        total = _mm_hadd_epi32(total, total); /* row 0's, row 1's, again */
+        const __m128 scale = _mm_setr_ps(half(blk0 + 208) * dx, half(blk1 + 208) * dx, 0.0f, 0.0f);
+        whole = _mm_fmadd_ps(_mm_cvtepi32_ps(total), scale, whole);
+    }
+    *out0 = _mm_cvtss_f32(whole);
+    if (nr == 2) *out1 = _mm_cvtss_f32(_mm_shuffle_ps(whole, whole, 1));
 }
 
 /* K-quant rows `row0` and `row1` (nr of them: row1 is NULL where nr is 1) with `nt`
@@ -1937,6 +2006,39 @@ static AVX512 void rows_dots_avx512(int type, const uint8_t *row0, const uint8_t
     FOR_EACH_QUANT_TYPE(DOTS_AVX512)
 }
 
+/* Q6_K rows (count, up to 16: a window's) with one token, into out[r]: q6k_rows_dots1 on
+ * pairs of rows 8 apart (rows i and i + 8 of a whole window; the rest in pairs of
+ * neighbours). Paired with their neighbours, rows of 1024 columns streamed from memory
+ * ~20% slower than rows of 4096 (a Q6_K ffn_down's bytes as rows of 1024 columns: 20
+ * GB/s, as its own rows: 24), whether a unit or a window a call. Rows 8 apart took the
+ * lm_head [49152, 1024] from 18.6 to 24.3 GB/s on 2 threads (alternated in one process,
+ * faster in 11 of 12 rounds; 2 and 4 apart: 19.9 and 23.2) and left the ffn_down's rows
+ * of 4096 columns where they were (22.7). */
+#define Q6K_ONE_BODY(VNNI)                                                                     \
+    int r = 0;                                                                                 \
+    for (; r + 16 <= count; r += 16)                                                           \
+        for (int i = r; i < r + 8; i++)                                                        \
+            q6k_rows_dots1(2, rows[i], rows[i + 8], x, out + i, out + i + 8, VNNI);            \
+    for (; r < count; r += 2)                                                                  \
+        if (r + 1 < count)                                                                     \
+            q6k_rows_dots1(2, rows[r], rows[r + 1], x, out + r, out + r + 1, VNNI);            \
+        else                                                                                   \
+            q6k_rows_dots1(1, rows[r], NULL, x, out + r, NULL, VNNI);
+static void rows_q6k_one_avx2(const uint8_t *const *rows, int count, const QuantX *x, float *out) {
+    Q6K_ONE_BODY(0)
+}
+#ifdef HAVE_AVXVNNI
+static TARGET_AVXVNNI void rows_q6k_one_vex(const uint8_t *const *rows, int count, const QuantX *x,
+                                            float *out) {
+    Q6K_ONE_BODY(1)
+}
+#endif
+static AVX512 void rows_q6k_one_evex(const uint8_t *const *rows, int count, const QuantX *x,
+                                     float *out) {
+    Q6K_ONE_BODY(2)
+}
+#undef Q6K_ONE_BODY
+
 /* 1: the AVX2 products, 2: AVX512-VNNI's, 3: the 256-bit ones with VNNI (AVX-VNNI, or
  * AVX512-VNNI's 256-bit form where the CPU has that instead: the same code). */
 static int quant_isa = 0, vnni_form = 0;
@@ -1984,6 +2086,22 @@ static inline void rows_dots(int type, const uint8_t *row0, const uint8_t *row1,
         rows_dots_vnni_evex(type, row0, row1, nt, x, out0, out1);
     else
         rows_dots_avx2(type, row0, row1, nt, x, out0, out1);
+}
+
+/* rows_q6k_one in the 256-bit form in use (not with AVX512-VNNI's products: see
+ * quant_units). */
+static inline void rows_q6k_one(const uint8_t *const *rows, int count, const QuantX *x,
+                                float *out) {
+#ifdef HAVE_AVXVNNI
+    if (quant_isa == 3 && vnni_form == 1) {
+        rows_q6k_one_vex(rows, count, x, out);
+        return;
+    }
+#endif
+    if (quant_isa == 3)
+        rows_q6k_one_evex(rows, count, x, out);
+    else
+        rows_q6k_one_avx2(rows, count, x, out);
 }
 
 /* The same in fp32, for a row decoded to fp32 (F32, F16 and BF16 parts). */
@@ -2190,16 +2308,20 @@ static void quant_units(const QuantWeight *w, const float *bias, const float *x,
                 window = r0 - at;
                 filled = 0;
             }
-            /* Q6_K with the tokens side by side: up to 8 units (16 rows, the rest of the
-             * window) a pass, sharing each block's activations in L1, its outputs straight
-             * into the window; other rows a unit (2) at a time */
-            if (part->type == GGML_Q6_K && qx->ct) {
+            /* Q6_K with the tokens side by side or one token (not with AVX512-VNNI's
+             * products): up to 8 units (16 rows, the rest of the window) a pass, sharing
+             * each block's activations in L1, its outputs straight into the window; other
+             * rows a unit (2) at a time */
+            if (part->type == GGML_Q6_K && (qx->ct || (nt == 1 && quant_isa != 2))) {
                 const int room = (GROUP_ROWS - at) / 2;
                 units = hi - u < room ? hi - u : room;
                 const int count = (part->rows < (u + units) * 2 ? part->rows : (u + units) * 2) - r0;
                 const uint8_t *rows[GROUP_ROWS];
                 for (int k = 0; k < count; k++) rows[k] = quant_row(part, r0 + k);
-                rows_q6k_wide(rows, count, nt, qx, stage + at);
+                if (qx->ct)
+                    rows_q6k_wide(rows, count, nt, qx, stage + at);
+                else
+                    rows_q6k_one(rows, count, qx, stage + at);
                 filled |= ((1u << count) - 1) << at;
                 continue;
             }
