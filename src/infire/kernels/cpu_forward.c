@@ -911,6 +911,24 @@ static inline __attribute__((always_inline)) __m256i dot_s16(__m256i acc, __m256
     return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 }
 
+/* A Q6_K block's integer products with a token (8 lanes) less the -32 offset's share,
+ * 32 sum_g sc_g bsum_g (`sc16` its scales, `bsum` the token's 16s' sums). */
+static inline __attribute__((always_inline)) __m256i q6k_offset(__m256i dots, __m256i bsum,
+                                                                __m256i sc16) {
+    return _mm256_sub_epi32(dots, _mm256_slli_epi32(_mm256_madd_epi16(bsum, sc16), 5));
+}
+
+/* Two rows' whole block integer sums (8 lanes each; d1 = d0 for one row) into their float
+ * sums, lanes 0 and 1 of `whole`, times s0 and s1 (d dx): the one-token and several-token
+ * forms' float operations, the same so that both give the same bits. */
+static inline __attribute__((always_inline)) __m128 q6k_whole(__m256i d0, __m256i d1, float s0,
+                                                              float s1, __m128 whole) {
+    const __m256i h = _mm256_hadd_epi32(d0, d1);
+    __m128i total = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    total = _mm_hadd_epi32(total, total); /* row 0's, row 1's, again */
+    return _mm_fmadd_ps(_mm_cvtepi32_ps(total), _mm_setr_ps(s0, s1, 0.0f, 0.0f), whole);
+}
+
 /* A Q6_K block's integer sum sc (u - 32) x with one token's activations `q` (k_slot
  * order; `bsum` their 16s' sums), 8 lanes to add: each sub-block's codes are unpacked
  * and meet the token at once. The form for several tokens keeps a block's 8 unpacked
@@ -934,7 +952,7 @@ static inline __attribute__((always_inline)) __m256i q6k_block_dots1(const uint8
             __asm__("" : "+x"(dots));
         }
     }
-    return _mm256_sub_epi32(dots, _mm256_slli_epi32(_mm256_madd_epi16(bsum, sc16), 5));
+    return q6k_offset(dots, bsum, sc16);
 }
 
 /* Q6_K rows `row0` and `row1` (row1 NULL where nr is 1) with one token: the same integer
@@ -956,11 +974,7 @@ static inline __attribute__((always_inline)) void q6k_rows_dots1(const int nr, c
          * them and the products (23 reference cycles a row's block against 21.5) */
         __asm__ volatile("" : : : "memory");
         const __m256i d1 = nr == 2 ? q6k_block_dots1(blk1, q, bsum, vnni) : d0;
-        const __m256i h = _mm256_hadd_epi32(d0, d1);
-        __m128i total = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-        total = _mm_hadd_epi32(total, total); /* row 0's, row 1's, again */
-        const __m128 scale = _mm_setr_ps(half(blk0 + 208) * dx, half(blk1 + 208) * dx, 0.0f, 0.0f);
-        whole = _mm_fmadd_ps(_mm_cvtepi32_ps(total), scale, whole);
+        whole = q6k_whole(d0, d1, half(blk0 + 208) * dx, half(blk1 + 208) * dx, whole);
     }
     *out0 = _mm_cvtss_f32(whole);
     if (nr == 2) *out1 = _mm_cvtss_f32(_mm_shuffle_ps(whole, whole, 1));
@@ -1015,13 +1029,8 @@ static inline __attribute__((always_inline)) void rows_dots_k_typed(
                 if (type != GGML_Q6_K) acc[r][t] = k_block_sums(type, &k[r], dots[r], bsum, dx, acc[r][t]);
             }
             if (type == GGML_Q6_K) { /* the block's whole integer sums, as rows_q6k_wide's */
-                for (int r = 0; r < nr; r++)
-                    dots[r] = _mm256_sub_epi32(dots[r], _mm256_slli_epi32(_mm256_madd_epi16(bsum, k[r].sc), 5));
-                const __m256i h = _mm256_hadd_epi32(dots[0], dots[nr - 1]);
-                __m128i total = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-                total = _mm_hadd_epi32(total, total); /* row 0's, row 1's, again */
-                const __m128 scale = _mm_setr_ps(k[0].d * dx, k[nr - 1].d * dx, 0.0f, 0.0f);
-                whole[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(total), scale, whole[t]);
+                for (int r = 0; r < nr; r++) dots[r] = q6k_offset(dots[r], bsum, k[r].sc);
+                whole[t] = q6k_whole(dots[0], dots[nr - 1], k[0].d * dx, k[nr - 1].d * dx, whole[t]);
             }
         }
     }
